@@ -1,0 +1,101 @@
+"""Offline fixtures: a word-level tokenizer built with `tokenizers`, tiny causal LMs and sequence classifiers
+of three families (GPT-NeoX, Llama, Qwen2) built from configs and saved, so `from_pretrained(path)` is used."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+from trl_ppo.default_job import build_word_tokenizer  # noqa: E402
+
+ARCHITECTURES = ("gpt_neox", "llama", "qwen2")
+
+
+def tiny_config(arch: str, tokenizer, dropout: float = 0.0):
+    """A 2-layer, 32-wide config of `arch`; `dropout` > 0 on purpose in some tests (the trainer must undo it)."""
+    from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, num_labels=1,
+    )
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(**common, attention_dropout=dropout, hidden_dropout=dropout)
+    if arch == "llama":
+        return LlamaConfig(**common, num_key_value_heads=2, attention_dropout=dropout)
+    if arch == "qwen2":
+        return Qwen2Config(**common, num_key_value_heads=2, attention_dropout=dropout)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_word_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model_paths(tmp_path_factory, tokenizer):
+    """{arch: (policy_path, value_path)} saved once per session; each holds the tokenizer too."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    paths = {}
+    for arch in ARCHITECTURES:
+        root = tmp_path_factory.mktemp(arch)
+        config = tiny_config(arch, tokenizer, dropout=0.1)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / "policy")
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(root / "value")
+        tokenizer.save_pretrained(root / "policy")
+        paths[arch] = (str(root / "policy"), str(root / "value"))
+    return paths
+
+
+@pytest.fixture
+def load_models(model_paths):
+    """load_models(arch) -> (policy, value_model, reward_model) freshly loaded from disk."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    def load(arch: str = "gpt_neox"):
+        policy_path, value_path = model_paths[arch]
+        return (
+            AutoModelForCausalLM.from_pretrained(policy_path),
+            AutoModelForSequenceClassification.from_pretrained(value_path, num_labels=1),
+            AutoModelForSequenceClassification.from_pretrained(value_path, num_labels=1),
+        )
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def prompt_dataset():
+    """Text prompts of 1 to 6 words, so that left padding varies within every batch."""
+    words = "the movie was good my day felt long our trip seemed fun".split()
+    prompts = [" ".join(words[i % 7 : i % 7 + 1 + i % 6]) for i in range(64)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """make_config(**overrides) -> a small, fast PPOConfig writing under tmp_path."""
+    from trl_ppo import PPOConfig
+
+    def make(**overrides):
+        values = dict(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+            num_ppo_epochs=2, num_mini_batches=1, total_episodes=16, response_length=6,
+            local_rollout_forward_batch_size=4, learning_rate=1e-3, num_sample_generations=0,
+            logging_steps=1, save_strategy="no", report_to="none", seed=3, per_device_eval_batch_size=4,
+        )
+        values.update(overrides)
+        return PPOConfig(**values)
+
+    return make

@@ -1,0 +1,130 @@
+"""The PPO math on tensors small enough to work out by hand (the numbers in comments are those workings)."""
+
+import math
+
+import pytest
+import torch
+
+from trl_ppo import ppo
+
+T, F = True, False
+
+
+def close(actual, expected, tol=1e-5):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
+                               torch.as_tensor(expected, dtype=torch.float32), atol=tol, rtol=0)
+
+
+def test_masked_mean_var_whiten():
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    mask = torch.tensor([T, T, F, T])
+    close(ppo.masked_mean(values, mask), 7 / 3)  # (1 + 2 + 4) / 3
+    close(ppo.masked_var(values, mask, unbiased=False), 14 / 9)  # (16/9 + 1/9 + 25/9) / 3
+    close(ppo.masked_var(values, mask), 7 / 3)  # * 3 / 2
+    whitened = ppo.masked_whiten(values, mask)
+    close(whitened[mask], (torch.tensor([1.0, 2.0, 4.0]) - 7 / 3) / math.sqrt(7 / 3), tol=1e-4)
+    close(ppo.masked_whiten(values, mask, shift_mean=False)[0], (1 - 7 / 3) / math.sqrt(7 / 3) + 7 / 3, tol=1e-4)
+    close(ppo.masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[T, F], [T, T]]), dim=1), [1.0, 6.0])
+
+
+def test_masked_var_needs_two_values():
+    with pytest.raises(ValueError, match="at least 2"):
+        ppo.masked_var(torch.tensor([1.0, 2.0]), torch.tensor([T, F]))
+
+
+def test_kl_estimators():
+    logprobs = torch.tensor([-1.0, -2.0])
+    ref_logprobs = torch.tensor([-1.5, -1.0])  # log r = ref - logprobs = [-0.5, 1]
+    close(ppo.kl_estimate(logprobs, ref_logprobs, "k1"), [0.5, -1.0])
+    close(ppo.kl_estimate(logprobs, ref_logprobs, "k3"), [math.exp(-0.5) - 1 + 0.5, math.e - 1 - 1])
+    assert (ppo.kl_estimate(torch.randn(100), torch.randn(100), "k3") >= 0).all()
+    with pytest.raises(ValueError, match="kl_estimator"):
+        ppo.kl_estimate(logprobs, ref_logprobs, "k2")
+
+
+def test_score_goes_on_the_last_response_token_also_when_a_response_stops_early():
+    scores = torch.tensor([2.0, 3.0])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    mask = torch.tensor([[T, T, T], [T, F, F]])  # the second response is its stop token alone
+    rewards, non_score = ppo.per_token_rewards(scores, kl, mask, kl_coef=0.5)
+    close(non_score, [[-0.05, -0.1, -0.15], [-0.2, 0.0, 0.0]])
+    # Not one position later (TRL put it on the first padding token, index 1 of the second row).
+    close(rewards, [[-0.05, -0.1, 1.85], [2.8, 0.0, 0.0]])
+
+
+def test_gae_three_tokens():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    advantages, returns = ppo.compute_gae(rewards, values, torch.ones(1, 3, dtype=torch.bool), gamma=0.9, lam=0.8)
+    # delta2 = 1 - 0.7 = 0.3; delta1 = 0.9*0.7 - 0.6 = 0.03; delta0 = 0.9*0.6 - 0.5 = 0.04
+    # A2 = 0.3; A1 = 0.03 + 0.72*0.3 = 0.246; A0 = 0.04 + 0.72*0.246 = 0.21712
+    close(advantages, [[0.21712, 0.246, 0.3]])
+    close(returns, [[0.71712, 0.846, 1.0]])
+
+
+def test_gae_ends_the_episode_at_the_mask():
+    rewards = torch.tensor([[0.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.6, 9.0]])  # the last position is padding: its reward and value are ignored
+    advantages, returns = ppo.compute_gae(rewards, values, torch.tensor([[T, T, F]]), gamma=0.9, lam=0.8)
+    # A1 = 1 - 0.6 = 0.4; A0 = 0.9*0.6 - 0.5 + 0.72*0.4 = 0.328
+    close(advantages, [[0.328, 0.4, 0.0]])
+    close(returns, [[0.828, 1.0, 0.0]])
+
+
+def test_clipped_policy_loss():
+    new_logprobs = torch.log(torch.tensor([1.5, 0.5, 1.1]))
+    old_logprobs = torch.zeros(3)
+    advantages = torch.tensor([1.0, 1.0, -1.0])
+    loss, stats = ppo.policy_loss(new_logprobs, old_logprobs, advantages, torch.ones(3, dtype=torch.bool), 0.2)
+    # per token max(-A r, -A clip(r)): max(-1.5, -1.2) = -1.2 (clipped); max(-0.5, -0.8) = -0.5; max(1.1, 1.1)
+    close(loss, (-1.2 - 0.5 + 1.1) / 3)
+    close(stats["clipfrac"], 1 / 3)
+    close(stats["approxkl"], 0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2 + math.log(1.1) ** 2) / 3)
+    close(stats["ratio"], (1.5 + 0.5 + 1.1) / 3)
+
+
+def test_policy_loss_ignores_padding_and_its_gradient_points_the_right_way():
+    new_logprobs = torch.tensor([-1.0, ppo.INVALID_LOGPROB], requires_grad=True)
+    loss, stats = ppo.policy_loss(new_logprobs, torch.tensor([-1.0, -3.0]), torch.tensor([2.0, 100.0]),
+                                  torch.tensor([T, F]), 0.2)
+    close(loss, -2.0)
+    close(stats["ratio"], 1.0)
+    loss.backward()
+    assert new_logprobs.grad[0] < 0 and new_logprobs.grad[1] == 0  # descending raises a good token's logprob
+
+
+def test_clipped_value_loss():
+    new_values = torch.tensor([1.0, 0.0, 0.6])
+    old_values = torch.tensor([0.5, 0.5, 0.5])
+    returns = torch.tensor([1.2, -1.0, 0.0])
+    loss, stats = ppo.value_loss(new_values, old_values, returns, torch.ones(3, dtype=torch.bool), 0.2)
+    # clipped values 0.7, 0.3, 0.6 -> losses max(0.04, 0.25), max(1, 1.69), max(0.36, 0.36)
+    close(loss, 0.5 * (0.25 + 1.69 + 0.36) / 3)
+    close(stats["clipfrac"], 2 / 3)
+
+
+def test_stop_token_truncation_and_mask():
+    responses = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8]])
+    close(ppo.truncate_after_stop_token(responses, stop_token_id=2, pad_token_id=0), [[5, 2, 0, 0], [5, 6, 7, 8]])
+    assert ppo.response_mask_after_stop(responses, 2).tolist() == [[T, T, F, F], [T, T, T, T]]
+    assert ppo.response_mask_after_stop(responses, None).all()
+    assert ppo.first_true_indices(responses == 7).tolist() == [2, 2]
+    assert ppo.first_true_indices(responses == 9).tolist() == [4, 4]
+
+
+def test_missing_eos_penalty_uses_the_configured_stop_token():
+    responses = torch.tensor([[5, 2, 0], [5, 6, 7]])
+    mask = ppo.response_mask_after_stop(responses, 2)
+    has_stop = ppo.contains_stop_token(responses, mask, stop_token_id=2)
+    assert has_stop.tolist() == [T, F]
+    close(ppo.apply_missing_eos_penalty(torch.tensor([1.0, 1.0]), has_stop, 0.5), [1.0, 0.5])
+    close(ppo.apply_missing_eos_penalty(torch.tensor([1.0, 1.0]), has_stop, None), [1.0, 1.0])
+
+
+def test_logprobs_and_entropy_from_logits():
+    logits = torch.randn(2, 3, 5)
+    tokens = torch.randint(0, 5, (2, 3))
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    close(ppo.logprobs_from_logits(logits, tokens), expected)
+    close(ppo.entropy_from_logits(torch.zeros(4)), math.log(4))  # uniform over 4
+    close(ppo.entropy_from_logits(torch.tensor([0.0, -1e4])), 0.0)

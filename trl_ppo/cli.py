@@ -1,0 +1,166 @@
+"""`trl-ppo`: train with PPO from the command line.
+
+    trl-ppo                       # the embedded default job: tiny model, shipped prompts, offline
+    trl-ppo --model_name_or_path EleutherAI/pythia-1b-deduped --sft_model_path ... --reward_model_path ...
+    trl-ppo --help                # every option of ScriptArguments, PPOConfig and ModelConfig
+
+Without `--model_name_or_path` the default job runs (flags you pass still override its settings).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from transformers import HfArgumentParser
+
+from .config import PPOConfig
+from .script_args import ModelConfig, ScriptArguments, get_kbit_device_map, get_peft_config, get_quantization_config
+
+LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def build_parser() -> HfArgumentParser:
+    return HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig))
+
+
+def load_prompt_datasets(script_args: ScriptArguments, eval_samples: int = 100):
+    """(train, eval) prompt datasets from a hub name or a local json/jsonl/parquet/csv file.
+
+    The eval split is `dataset_test_split` when the dataset has it, else the last `eval_samples` rows of the
+    training split (which are then left out of training).
+    """
+    from datasets import load_dataset
+
+    name = script_args.dataset_name
+    extension = os.path.splitext(name)[1].lower()
+    if os.path.isfile(name) and extension in LOCAL_DATA_FORMATS:
+        splits = load_dataset(LOCAL_DATA_FORMATS[extension], data_files={"train": name})
+    else:
+        splits = load_dataset(name, name=script_args.dataset_config)
+    if script_args.dataset_train_split not in splits:
+        raise ValueError(
+            f"Split {script_args.dataset_train_split!r} not found in {name!r} (splits: {list(splits)}): "
+            "set `--dataset_train_split`."
+        )
+    train = splits[script_args.dataset_train_split]
+    if script_args.dataset_test_split in splits:
+        return train, splits[script_args.dataset_test_split]
+    eval_samples = min(eval_samples, len(train) // 10)
+    if eval_samples == 0:
+        return train, None
+    return train.select(range(len(train) - eval_samples)), train.select(range(len(train) - eval_samples, len(train)))
+
+
+def load_models(training_args: PPOConfig, model_args: ModelConfig):
+    """(tokenizer, policy, ref_policy, value_model, reward_model) as in TRL's PPO example: the tokenizer from
+    `model_name_or_path`, the policy (and its reference) from `sft_model_path`, value and reward models from
+    `reward_model_path`. Each may be a hub name or a local folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    quantization_config = get_quantization_config(model_args)
+    model_kwargs = dict(
+        revision=model_args.model_revision,
+        attn_implementation=model_args.attn_implementation,
+        dtype=dtype,
+        device_map=get_kbit_device_map() if quantization_config is not None else None,
+        quantization_config=quantization_config,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path, padding_side="left", trust_remote_code=model_args.trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    value_model = AutoModelForSequenceClassification.from_pretrained(
+        training_args.reward_model_path, num_labels=1, trust_remote_code=model_args.trust_remote_code
+    )
+    reward_model = AutoModelForSequenceClassification.from_pretrained(
+        training_args.reward_model_path, num_labels=1, trust_remote_code=model_args.trust_remote_code
+    )
+    policy = AutoModelForCausalLM.from_pretrained(training_args.sft_model_path, **model_kwargs)
+    ref_policy = None
+    if not model_args.use_peft:
+        ref_policy = AutoModelForCausalLM.from_pretrained(training_args.sft_model_path, **model_kwargs)
+    for model in (policy, ref_policy, value_model, reward_model):
+        if model is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer))
+    return tokenizer, policy, ref_policy, value_model, reward_model
+
+
+def run_default_job(argv: list[str]) -> None:
+    """Train the tiny embedded policy on the shipped prompts with the positive-words reward."""
+    from . import default_job
+    from .trainer import PPOTrainer
+
+    script_args, training_args, model_args = build_parser().parse_args_into_dataclasses(
+        args=default_job.DEFAULT_JOB_FLAGS + argv
+    )
+    tokenizer = default_job.build_word_tokenizer()
+    policy, value_model = default_job.build_tiny_models(tokenizer)
+    prompts = default_job.default_prompts()
+    if script_args.dataset_name:
+        prompts, _ = load_prompt_datasets(script_args)
+    split = prompts.train_test_split(test_size=16, seed=0)
+    trainer = PPOTrainer(
+        args=training_args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=default_job.positive_words_reward,
+        value_model=value_model,
+        train_dataset=split["train"],
+        eval_dataset=split["test"],
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train()
+    trainer.generate_completions()
+    trainer.save_model(training_args.output_dir)
+    print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
+
+
+def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
+    """Train models given by path/hub name on a prompt dataset (the TRL example's flow)."""
+    from accelerate import PartialState
+
+    from .default_job import default_prompts
+    from .trainer import PPOTrainer
+
+    tokenizer, policy, ref_policy, value_model, reward_model = load_models(training_args, model_args)
+    with PartialState().local_main_process_first():
+        if script_args.dataset_name:
+            train_dataset, eval_dataset = load_prompt_datasets(script_args)
+        else:
+            split = default_prompts().train_test_split(test_size=16, seed=0)
+            train_dataset, eval_dataset = split["train"], split["test"]
+    trainer = PPOTrainer(
+        args=training_args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref_policy,
+        reward_model=reward_model,
+        value_model=value_model,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train()
+    trainer.save_model(training_args.output_dir)
+    trainer.generate_completions()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # `trl-ppo train ...` is the same as `trl-ppo ...`
+        argv = argv[1:]
+    if "--model_name_or_path" not in " ".join(argv) and not any(a in ("-h", "--help") for a in argv):
+        run_default_job(argv)
+        return
+    script_args, training_args, model_args = build_parser().parse_args_into_dataclasses(args=argv)
+    run_from_models(script_args, training_args, model_args)
+
+
+if __name__ == "__main__":
+    main()

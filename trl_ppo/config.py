@@ -1,0 +1,224 @@
+"""Training configuration: `OnPolicyConfig` (any on-policy trainer) and `PPOConfig` (PPO's own knobs).
+
+Field names, types and defaults follow the last TRL PPO trainer (trl 1.12), so that a TRL command line or a
+`PPOConfig(...)` call keeps working after changing the import. The derived batch sizes are filled in by
+`compute_batch_sizes`, called by the trainer once the number of processes is known.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class OnPolicyConfig(TrainingArguments):
+    """Arguments shared by on-policy RL trainers (rollout, sampling, batch layout).
+
+    Batch layout of one PPO update (`B` = `batch_size`, the number of episodes per update, over all processes):
+    every process draws `local_batch_size = per_device_train_batch_size * gradient_accumulation_steps` prompts,
+    samples one response each, then runs `num_ppo_epochs` passes over them in `num_mini_batches` minibatches of
+    `local_mini_batch_size` episodes; each minibatch is split into micro-batches of `per_device_train_batch_size`
+    whose gradients are accumulated into one optimizer step.
+    """
+
+    # Overridden TrainingArguments defaults (as in TRL's PPO config).
+    learning_rate: float = field(default=3e-6, metadata={"help": "The initial learning rate for AdamW."})
+
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Number of processes to use when tokenizing the dataset."}
+    )
+    num_mini_batches: int = field(
+        default=1, metadata={"help": "Number of minibatches to split a batch into for each PPO epoch."}
+    )
+    total_episodes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Total number of episodes (prompt, response) to train on. Defaults to "
+            "`num_train_epochs * len(train_dataset)`."
+        },
+    )
+    local_rollout_forward_batch_size: int = field(
+        default=64,
+        metadata={"help": "Per-process chunk size for sampling and for the no-grad forward passes of a rollout."},
+    )
+    num_sample_generations: int = field(
+        default=10,
+        metadata={
+            "help": "How many times during training to sample completions for a few evaluation prompts and show "
+            "them in a table. 0 disables it."
+        },
+    )
+    response_length: int = field(default=53, metadata={"help": "Number of tokens to sample for each response."})
+    stop_token: Literal["eos"] | None = field(
+        default=None,
+        metadata={
+            "help": "Stop token of the responses: 'eos' uses the tokenizer's EOS token. Everything after the stop "
+            "token is replaced by padding. Mutually exclusive with `stop_token_id`."
+        },
+    )
+    stop_token_id: int | None = field(
+        default=None,
+        metadata={"help": "Token id that ends a response. Mutually exclusive with `stop_token`."},
+    )
+    temperature: float = field(
+        default=0.7,
+        metadata={"help": "Sampling temperature; the same temperature divides the logits during training."},
+    )
+    missing_eos_penalty: float | None = field(
+        default=None,
+        metadata={
+            "help": "Value subtracted from the score of a response that does not contain the stop token "
+            "(`stop_token_id`, or EOS when `stop_token='eos'`). Encourages complete responses; must be positive."
+        },
+    )
+    sft_model_path: str = field(
+        default="EleutherAI/pythia-160m", metadata={"help": "Path or hub name of the SFT model (used by scripts)."}
+    )
+
+    # Derived sizes: filled by the trainer (`compute_batch_sizes`); leave them unset.
+    world_size: int | None = field(
+        default=None, metadata={"help": "Number of processes (derived by the trainer; do not set)."}
+    )
+    num_total_batches: int | None = field(
+        default=None, metadata={"help": "Number of PPO updates in the run (derived by the trainer; do not set)."}
+    )
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "`per_device_train_batch_size * world_size` (derived by the trainer; do not set)."},
+    )
+    local_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Episodes per process per update: `per_device_train_batch_size * gradient_accumulation_steps` "
+            "(derived by the trainer; do not set)."
+        },
+    )
+    batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Episodes per update over all processes (derived by the trainer; do not set)."},
+    )
+    local_mini_batch_size: int | None = field(
+        default=None, metadata={"help": "Episodes per minibatch per process (derived by the trainer; do not set)."}
+    )
+    mini_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Episodes per minibatch over all processes (derived by the trainer; do not set)."},
+    )
+    push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the model to the Hub after training."})
+
+
+@dataclass
+class PPOConfig(OnPolicyConfig):
+    """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report)."""
+
+    exp_name: str = field(default="ppo_config", metadata={"help": "Name of this experiment."})
+    reward_model_path: str = field(
+        default="EleutherAI/pythia-160m", metadata={"help": "Path or hub name of the reward model (used by scripts)."}
+    )
+    model_adapter_name: str | None = field(
+        default=None, metadata={"help": "With PEFT: name of the trained adapter (several adapters in one model)."}
+    )
+    ref_adapter_name: str | None = field(
+        default=None,
+        metadata={"help": "With PEFT: adapter to use as the reference policy; by default the adapter is disabled."},
+    )
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Number of optimisation epochs over each rollout batch."})
+    whiten_rewards: bool = field(
+        default=False, metadata={"help": "Whiten (scale, no mean shift) the per-token rewards before GAE."}
+    )
+    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient (beta)."})
+    kl_estimator: Literal["k1", "k3"] = field(
+        default="k1",
+        metadata={
+            "help": "Per-token KL estimator: 'k1' (log-ratio, unbiased) or 'k3' ((r - 1) - log r, unbiased and "
+            "never negative). See http://joschu.net/blog/kl-approx.html."
+        },
+    )
+    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy probability ratio."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value function."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "Lambda of generalized advantage estimation (GAE)."})
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "DeepSpeed ZeRO-3 only: gather the policy's weights once per rollout for fast sampling. "
+            "Disable to train models that do not fit on one device (slower sampling)."
+        },
+    )
+    save_value_model: bool = field(
+        default=False,
+        metadata={"help": "Also write the value model to `<output_dir>/value_model` in `save_model()`."},
+    )
+
+
+def _exact_div(numerator: int, denominator: int, what: str, numerator_name: str, denominator_name: str) -> int:
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ValueError(
+            f"{what}: `{numerator_name}` ({numerator}) must be a multiple of `{denominator_name}` ({denominator})."
+        )
+    return numerator // denominator
+
+
+def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len: int) -> None:
+    """Fill the derived batch sizes of `args` in place, raising a clear error when a division is inexact."""
+    if args.total_episodes is None:
+        args.total_episodes = int(args.num_train_epochs * train_dataset_len)
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.micro_batch_size = args.per_device_train_batch_size * world_size
+    args.batch_size = args.local_batch_size * world_size
+    args.mini_batch_size = _exact_div(
+        args.batch_size, args.num_mini_batches, "Cannot split a batch into minibatches", "batch_size",
+        "num_mini_batches",
+    )
+    args.local_mini_batch_size = _exact_div(
+        args.local_batch_size, args.num_mini_batches, "Cannot split a process's batch into minibatches",
+        "local_batch_size = per_device_train_batch_size * gradient_accumulation_steps", "num_mini_batches",
+    )
+    _exact_div(
+        args.local_mini_batch_size, args.per_device_train_batch_size, "Cannot split a minibatch into micro-batches",
+        "local_mini_batch_size", "per_device_train_batch_size",
+    )
+    args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+
+
+def validate_config(args: OnPolicyConfig) -> None:
+    """Reject values that cannot work, before any model is touched. Each error names the argument and the fix."""
+
+    def fail(message: str) -> None:
+        raise ValueError(message)
+
+    if args.response_length < 1:
+        fail(f"`response_length` must be at least 1, got {args.response_length}.")
+    if not args.temperature > 0:
+        fail(f"`temperature` must be > 0 (sampling divides logits by it), got {args.temperature}.")
+    if args.stop_token not in (None, "eos"):
+        fail(f"Unknown `stop_token` {args.stop_token!r}: use 'eos', or `stop_token_id` for another token.")
+    if args.stop_token is not None and args.stop_token_id is not None:
+        fail(
+            f"`stop_token` ({args.stop_token!r}) and `stop_token_id` ({args.stop_token_id}) are both set: keep one."
+        )
+    if args.missing_eos_penalty is not None:
+        if args.missing_eos_penalty < 0:
+            fail(f"`missing_eos_penalty` is subtracted, so it must be >= 0; got {args.missing_eos_penalty}.")
+        if args.stop_token is None and args.stop_token_id is None:
+            fail("`missing_eos_penalty` needs a stop token to look for: set `stop_token='eos'` or `stop_token_id`.")
+    for name in ("num_mini_batches", "local_rollout_forward_batch_size", "per_device_train_batch_size",
+                 "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            fail(f"`{name}` must be at least 1, got {getattr(args, name)}.")
+    if args.total_episodes is not None and args.total_episodes < 1:
+        fail(f"`total_episodes` must be at least 1, got {args.total_episodes}.")
+    if isinstance(args, PPOConfig):
+        if args.kl_estimator not in ("k1", "k3"):
+            fail(f"Unknown `kl_estimator` {args.kl_estimator!r}: use 'k1' or 'k3'.")
+        if args.num_ppo_epochs < 1:
+            fail(f"`num_ppo_epochs` must be at least 1, got {args.num_ppo_epochs}.")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(args, name) <= 1.0:
+                fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")

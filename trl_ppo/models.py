@@ -1,0 +1,161 @@
+"""The four models of PPO: how each is called, wrapped, frozen and (with PEFT) shared.
+
+* policy: a causal LM; `policy_response_logits` returns the logits that predict the response tokens.
+* value and reward models: sequence-classification models with a scalar `score` head read on every token
+  (`scalar_head_outputs`), as in TRL's PPO.
+* reference: a frozen copy of the initial policy, or the policy with its PEFT adapter disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+
+try:  # peft is a dependency, but keep `import trl_ppo` working without it
+    from peft import PeftModel, get_peft_model
+except ImportError:  # pragma: no cover
+    PeftModel, get_peft_model = None, None
+
+_DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "attn_dropout", "dropout", "dropout_rate")
+_DROPOUT_CONFIG_KEYS = (
+    "attention_dropout", "hidden_dropout", "attention_probs_dropout_prob", "hidden_dropout_prob", "resid_pdrop",
+    "embd_pdrop", "attn_pdrop", "summary_first_dropout", "classifier_dropout", "dropout",
+)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Turn off every kind of dropout in `model`.
+
+    PPO needs the training forward to compute the same distribution the rollout sampled from; dropout would
+    make the first PPO ratio differ from 1. Besides `nn.Dropout` modules, attention kernels read float
+    attributes such as `attention_dropout` when the model is in training mode, so those are zeroed too.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name in _DROPOUT_ATTRIBUTES:
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        for key in _DROPOUT_CONFIG_KEYS:
+            if isinstance(getattr(config, key, None), float):
+                setattr(config, key, 0.0)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Put a model that is only read (reference, reward) in eval mode without gradients."""
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over the attended tokens only, so a left-padded prompt starts at 0. `[B, L]`."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def policy_response_logits(
+    policy: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
+    temperature: float,
+) -> torch.Tensor:
+    """Logits that predict the last `response_length` tokens of `input_ids` `[B, L]`, divided by `temperature`
+    exactly as during sampling. -> `[B, response_length, V]`.
+
+    Only the needed positions go through the LM head (`logits_to_keep`), so no logits of the prompt exist.
+    """
+    output = policy(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=response_length + 1,
+        use_cache=False,
+    )
+    return output.logits[:, :-1] / temperature
+
+
+def scalar_head_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Run a sequence-classification model's backbone and its `score` head on every token. -> `[B, L]`.
+
+    Reading the head at a chosen position (the value of each response token, the reward at the last token)
+    avoids the model's own pooling, which finds "the last token" by comparing with the pad id and goes wrong
+    when the pad token is also the stop token.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def check_scalar_head_model(model: nn.Module, role: str) -> None:
+    """Fail early, with the fix, when a value/reward model cannot be read by `scalar_head_outputs`."""
+    prefix = getattr(model, "base_model_prefix", None)
+    if not prefix or not hasattr(model, prefix) or not hasattr(model, "score"):
+        raise TypeError(
+            f"The {role} ({type(model).__name__}) must be a sequence-classification model with a backbone at "
+            f"`model.base_model_prefix` and a `score` head, e.g. "
+            f"`AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`."
+        )
+
+
+class PolicyAndValueWrapper(nn.Module):
+    """Holds the trained policy and value model as one module, so that one optimizer, one `accelerator.prepare`
+    and one checkpoint cover both."""
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+        self.config = policy.config  # read by `transformers.Trainer`
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.policy.gradient_checkpointing_enable(**kwargs)
+        self.value_model.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, input_ids, attention_mask, response_length: int, temperature: float):
+        """-> (policy logits for the response `[B, T, V]`, values for the response `[B, T]`)."""
+        logits = policy_response_logits(self.policy, input_ids, attention_mask, response_length, temperature)
+        values = scalar_head_outputs(self.value_model, input_ids, attention_mask)
+        return logits, values[:, -response_length - 1 : -1]
+
+
+def add_peft_adapter(policy: nn.Module, peft_config) -> nn.Module:
+    """Wrap the policy with a new PEFT adapter (the reference is then the same model, adapter disabled)."""
+    if get_peft_model is None:
+        raise ImportError("`peft_config` needs the `peft` package: `pip install peft`.")
+    if PeftModel is not None and isinstance(policy, PeftModel):
+        raise ValueError(
+            "The policy is already a `PeftModel` and a `peft_config` was given too: pass either a model with its "
+            "adapter or a base model with `peft_config`, not both."
+        )
+    return get_peft_model(policy, peft_config)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return PeftModel is not None and isinstance(model, PeftModel)
+
+
+def create_reference_model(policy: nn.Module) -> nn.Module:
+    """A frozen deep copy of the policy as it is now (before any update)."""
+    return freeze(copy.deepcopy(policy))
+
+
+@contextlib.contextmanager
+def peft_reference(policy: nn.Module, ref_adapter_name: str | None, model_adapter_name: str | None):
+    """Context in which a PEFT policy acts as the reference: its adapter disabled, or `ref_adapter_name` active."""
+    if ref_adapter_name is None:
+        with policy.disable_adapter():
+            yield
+        return
+    policy.set_adapter(ref_adapter_name)
+    try:
+        yield
+    finally:
+        policy.set_adapter(model_adapter_name or "default")

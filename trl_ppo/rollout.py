@@ -1,0 +1,123 @@
+"""Rollout: sample responses from the policy and compute what the update needs about them.
+
+The generation backend is one function with the signature of `sample_responses` (left-padded prompts in,
+response ids out); a faster backend is a new function of that shape, not a new trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import ppo
+from .models import position_ids_from_mask
+
+
+@dataclass
+class Rollout:
+    """One batch of episodes, from sampling to the update. `B` episodes, `Lq` prompt and `T` response tokens."""
+
+    queries: torch.Tensor  # [B, Lq] left-padded prompt ids
+    query_mask: torch.Tensor  # [B, Lq] True on prompt tokens
+    responses: torch.Tensor  # [B, T] sampled ids, padding after the stop token
+    response_mask: torch.Tensor  # [B, T] True up to and including the stop token
+    logprobs: torch.Tensor | None = None  # [B, T] log pi_old of each response token (INVALID_LOGPROB on padding)
+    ref_logprobs: torch.Tensor | None = None  # [B, T] log pi_ref
+    values: torch.Tensor | None = None  # [B, T] V(s_t) before each response token (0 on padding)
+    scores: torch.Tensor | None = None  # [B] sequence-level score, EOS penalty included
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """Prompt and response concatenated. `[B, Lq + T]`."""
+        return torch.cat([self.queries, self.responses], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """Attention over the prompt tokens and the response tokens up to the stop token. `[B, Lq + T]`."""
+        return torch.cat([self.query_mask, self.response_mask], dim=1).long()
+
+    def select(self, index: torch.Tensor) -> "Rollout":
+        """The episodes at `index` (a 1-D index tensor)."""
+        return Rollout(**{name: None if value is None else value[index] for name, value in vars(self).items()})
+
+
+@torch.no_grad()
+def sample_responses(
+    model: nn.Module,
+    queries: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    stop_token_id: int | None,
+    pad_token_id: int,
+) -> torch.Tensor:
+    """Sample `response_length` tokens after each left-padded prompt with a KV cache. -> `[B, response_length]`.
+
+    Tokens are drawn from softmax(logits / temperature) over the whole vocabulary (no top-k/top-p), the same
+    distribution the training forward computes. After a row's stop token the row is filled with
+    `pad_token_id`; sampling stops early once every row has stopped.
+    """
+    batch_size = queries.size(0)
+    attention_mask = query_mask.long()
+    position_ids = position_ids_from_mask(attention_mask)
+    output = model(
+        input_ids=queries, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
+    )
+    next_position = position_ids[:, -1:] + 1
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=queries.device)
+    tokens = []
+    for step in range(response_length):
+        probs = torch.softmax(output.logits[:, -1, :].float() / temperature, dim=-1)
+        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+        next_tokens = next_tokens.masked_fill(finished, pad_token_id)
+        tokens.append(next_tokens)
+        if stop_token_id is not None:
+            finished |= next_tokens == stop_token_id
+            if bool(finished.all()):
+                break
+        if step + 1 == response_length:
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, 1)], dim=1)
+        output = model(
+            input_ids=next_tokens.unsqueeze(1),
+            attention_mask=attention_mask,
+            position_ids=next_position,
+            past_key_values=output.past_key_values,
+            use_cache=True,
+        )
+        next_position = next_position + 1
+    responses = torch.stack(tokens, dim=1)
+    if responses.size(1) < response_length:
+        padding = responses.new_full((batch_size, response_length - responses.size(1)), pad_token_id)
+        responses = torch.cat([responses, padding], dim=1)
+    return responses
+
+
+@contextlib.contextmanager
+def unwrap_for_generation(model: nn.Module, accelerator, gather_deepspeed3_params: bool = True):
+    """The bare policy for sampling; under DeepSpeed ZeRO-3 its partitioned weights are gathered once for the
+    whole rollout (`gather_deepspeed3_params=True`) instead of at every layer of every sampled token."""
+    unwrapped = accelerator.unwrap_model(model)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3 or not gather_deepspeed3_params:
+        yield unwrapped
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        yield unwrapped
+
+
+def chunks(batch_size: int, chunk_size: int):
+    """Slices covering `range(batch_size)` in pieces of at most `chunk_size`."""
+    for start in range(0, batch_size, chunk_size):
+        yield slice(start, min(start + chunk_size, batch_size))
+
+
+def masked_response_logprobs(logits: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """Log-probs of the sampled response tokens `[B, T]`, INVALID_LOGPROB on padding."""
+    logprobs = ppo.logprobs_from_logits(logits, rollout.responses)
+    return logprobs.masked_fill(~rollout.response_mask, ppo.INVALID_LOGPROB)

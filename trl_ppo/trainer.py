@@ -1,0 +1,488 @@
+"""`PPOTrainer`: orchestration of the PPOv2 loop on top of `transformers.Trainer`.
+
+One update reads like the algorithm: rollout -> score -> advantages -> PPO update -> log. The math is in
+`ppo.py`, sampling in `rollout.py`, scoring in `rewards.py`, model plumbing in `models.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers.trainer_utils import TrainOutput
+
+from . import ppo
+from .completions import log_completions_to_wandb, print_completions_table
+from .config import OnPolicyConfig, PPOConfig, compute_batch_sizes, validate_config
+from .data import LeftPaddingCollator, prepare_prompt_dataset
+from .models import (
+    PolicyAndValueWrapper,
+    add_peft_adapter,
+    check_scalar_head_model,
+    create_reference_model,
+    disable_dropout,
+    freeze,
+    is_peft_model,
+    peft_reference,
+    policy_response_logits,
+)
+from .rewards import check_reward, compute_scores, decode_texts
+from .rollout import Rollout, chunks, masked_response_logprobs, sample_responses, unwrap_for_generation
+
+# Metrics averaged over the updates between two logs; the others are reported as of the latest update.
+_LATEST_VALUE_METRICS = ("eps", "lr", "episode")
+
+
+class PPOTrainer(Trainer):
+    """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
+
+    Args:
+        args: a `PPOConfig`.
+        processing_class: the policy's tokenizer (its pad token is required; prompts are left-padded).
+        model: the policy, a causal LM.
+        ref_model: the reference policy; `None` makes a frozen copy of `model`, or with PEFT uses `model` with
+            its adapter disabled (no second copy of the weights).
+        reward_model: a sequence-classification model with a scalar `score` head, or a callable
+            `f(prompts, completions, **columns) -> list[float]`.
+        train_dataset: prompts, as `input_ids` or as a `prompt` column (text or chat messages).
+        value_model: a sequence-classification model with one label, trained alongside the policy.
+        data_collator: defaults to left-padding of `input_ids`.
+        eval_dataset: prompts for the sample completions tables.
+        optimizers: `(optimizer, lr_scheduler)`; by default AdamW and the `lr_scheduler_type` schedule, stepped
+            once per PPO update.
+        callbacks: extra `TrainerCallback`s.
+        peft_config: a `peft.PeftConfig` to train an adapter instead of the whole policy.
+    """
+
+    _tag_names = ["trl_ppo", "ppo"]
+
+    def __init__(
+        self,
+        args: PPOConfig,
+        processing_class: PreTrainedTokenizerBase,
+        model: nn.Module,
+        ref_model: nn.Module | None,
+        reward_model,
+        train_dataset,
+        value_model: nn.Module | None = None,
+        data_collator=None,
+        eval_dataset=None,
+        optimizers: tuple = (None, None),
+        callbacks: list[TrainerCallback] | None = None,
+        peft_config=None,
+    ) -> None:
+        # Everything that can be checked without compute is checked first.
+        if not isinstance(args, OnPolicyConfig):
+            raise TypeError(f"`args` must be a `PPOConfig`, got {type(args).__name__}.")
+        validate_config(args)
+        if processing_class is None or processing_class.pad_token_id is None:
+            raise ValueError(
+                "The tokenizer has no pad token, which left-padding of prompts needs. Add one, e.g. "
+                "`tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (resize the model's embeddings if the "
+                "new id is outside them) or `tokenizer.pad_token = tokenizer.eos_token`."
+            )
+        if value_model is None:
+            raise ValueError(
+                "`value_model` is required: pass a sequence-classification model with one label, e.g. "
+                "`AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`."
+            )
+        check_scalar_head_model(value_model, "value model")
+        check_reward(reward_model)
+        self.stop_token_id = args.stop_token_id
+        if args.stop_token == "eos":
+            self.stop_token_id = processing_class.eos_token_id
+        if (
+            ref_model is not None
+            and not is_peft_model(model)
+            and peft_config is None
+            and any(p is q for p, q in zip(ref_model.parameters(), model.parameters()))
+        ):
+            raise ValueError("`ref_model` shares its weights with `model`: pass a separate copy, or `None`.")
+
+        # Models: the policy (maybe with a PEFT adapter), its reference, and dropout off everywhere.
+        if peft_config is not None:
+            model = add_peft_adapter(model, peft_config)
+        self.is_peft_model = is_peft_model(model)
+        if ref_model is None and not self.is_peft_model:
+            ref_model = create_reference_model(model)
+        for module in (model, value_model, ref_model, reward_model):
+            if isinstance(module, nn.Module):
+                disable_dropout(module)
+        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
+            kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            if self.is_peft_model:
+                model.enable_input_require_grads()
+
+        # Data.
+        train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args.dataset_num_proc)
+        eval_dataset = prepare_prompt_dataset(eval_dataset, processing_class, args.dataset_num_proc)
+        if train_dataset is None or len(train_dataset) == 0:
+            raise ValueError("`train_dataset` is empty: PPO needs prompts to sample from.")
+        if data_collator is None:
+            data_collator = LeftPaddingCollator(processing_class.pad_token_id)
+
+        super().__init__(
+            model=PolicyAndValueWrapper(model, value_model),
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset))
+        if len(train_dataset) < args.batch_size:
+            raise ValueError(
+                f"`train_dataset` has {len(train_dataset)} prompts, fewer than one batch (`batch_size` = "
+                f"{args.batch_size} = per_device_train_batch_size * gradient_accumulation_steps * world_size): "
+                "add prompts or lower the batch size."
+            )
+
+        # Frozen models live on the device, outside the optimizer.
+        device = self.accelerator.device
+        self.ref_model = None if ref_model is None else freeze(ref_model).to(device)
+        self.reward_model = freeze(reward_model).to(device) if isinstance(reward_model, nn.Module) else reward_model
+
+        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
+        self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
+        self.train_dataloader = self.get_train_dataloader()
+        self.model, self.optimizer, self.train_dataloader = self.accelerator.prepare(
+            self.model, self.optimizer, self.train_dataloader
+        )
+        self.model_wrapped = self.model
+        self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
+
+    # ------------------------------------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        """Batches of `local_batch_size` prompts in a seeded shuffled order."""
+        generator = torch.Generator()
+        generator.manual_seed(self.args.data_seed if self.args.data_seed is not None else self.args.seed)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.args.local_batch_size,
+            shuffle=True,
+            collate_fn=self.data_collator,
+            drop_last=True,
+            generator=generator,
+            num_workers=self.args.dataloader_num_workers,
+        )
+
+    def _batches_forever(self):
+        epoch = 0
+        while True:
+            if hasattr(self.train_dataloader, "set_epoch"):
+                self.train_dataloader.set_epoch(epoch)
+            yield from self.train_dataloader
+            epoch += 1
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
+        """Run `num_total_batches` PPO updates: rollout -> score -> advantages -> update -> log."""
+        if resume_from_checkpoint:
+            raise NotImplementedError("Resuming a PPO run from a checkpoint is not supported yet.")
+        args = self.args
+        self._begin_training()
+        batches = self._batches_forever()
+        for update in range(1, args.num_total_batches + 1):
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                self.generate_completions(sampling=True)
+            batch = next(batches)
+
+            rollout = self.collect_rollout(batch)
+            rollout.scores = self.score(rollout, batch)
+            advantages, returns, reward_stats = self.compute_advantages(rollout)
+            update_stats = self.ppo_update(rollout, advantages, returns)
+
+            self.state.episode += args.batch_size
+            self._end_update(rollout, reward_stats, update_stats)
+            if self.control.should_training_stop:
+                break
+        return self._end_training()
+
+    def collect_rollout(self, batch: dict) -> Rollout:
+        """Sample one response per prompt, then compute logprobs, ref_logprobs and values (no gradients)."""
+        args = self.args
+        device = self.accelerator.device
+        queries = batch["input_ids"].to(device)
+        query_mask = batch["attention_mask"].to(device).bool()
+        responses = self._sample(queries, query_mask)
+        rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
+
+        wrapper = self.accelerator.unwrap_model(self.model)
+        logprobs, ref_logprobs, values = [], [], []
+        with torch.no_grad(), self.accelerator.autocast():
+            for part in chunks(queries.size(0), args.local_rollout_forward_batch_size):
+                episodes = rollout.select(part)
+                logits, value = wrapper(
+                    episodes.input_ids, episodes.attention_mask, args.response_length, args.temperature
+                )
+                logprobs.append(masked_response_logprobs(logits, episodes))
+                values.append(value.float().masked_fill(~episodes.response_mask, 0.0))
+                del logits
+                ref_logprobs.append(masked_response_logprobs(self._reference_logits(episodes), episodes))
+        rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
+        rollout.values = torch.cat(values)
+        return rollout
+
+    def score(self, rollout: Rollout, batch: dict) -> torch.Tensor:
+        """Scores `[B]` from the reward, minus `missing_eos_penalty` for responses without the stop token."""
+        columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
+        with self.accelerator.autocast():
+            return compute_scores(
+                self.reward_model,
+                rollout,
+                self.processing_class,
+                columns,
+                self.args.local_rollout_forward_batch_size,
+                self.stop_token_id,
+                self.args.missing_eos_penalty,
+            )
+
+    def compute_advantages(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """KL-penalised per-token rewards -> GAE advantages (whitened) and returns, all `[B, T]`."""
+        args = self.args
+        mask = rollout.response_mask
+        kl = ppo.kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator).masked_fill(~mask, 0.0)
+        rewards, non_score_rewards = ppo.per_token_rewards(rollout.scores, kl, mask, args.kl_coef)
+        if args.whiten_rewards:
+            rewards = ppo.masked_whiten(rewards, mask, shift_mean=False).masked_fill(~mask, 0.0)
+        advantages, returns = ppo.compute_gae(rewards, rollout.values, mask, args.gamma, args.lam)
+        advantages = ppo.masked_whiten(advantages, mask).masked_fill(~mask, 0.0)
+        return advantages, returns, {"kl": kl, "non_score_rewards": non_score_rewards}
+
+    def ppo_update(self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
+        """`num_ppo_epochs` passes over the batch in shuffled minibatches, one optimizer step per minibatch,
+        accumulating gradients over micro-batches. Returns per-micro-batch stats, each `[n]`."""
+        args = self.args
+        stats = defaultdict(list)
+        self.model.train()
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(args.local_batch_size, device=advantages.device)
+            for minibatch in order.split(args.local_mini_batch_size):
+                micro_batches = minibatch.split(args.per_device_train_batch_size)
+                for i, micro in enumerate(micro_batches):
+                    sync = i == len(micro_batches) - 1
+                    with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                        micro_stats = self._ppo_micro_step(
+                            rollout.select(micro), advantages[micro], returns[micro], len(micro_batches)
+                        )
+                    for key, value in micro_stats.items():
+                        stats[key].append(value)
+                if args.max_grad_norm:
+                    self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+        return {key: torch.stack(values) for key, values in stats.items()}
+
+    def _ppo_micro_step(self, episodes: Rollout, advantages, returns, num_micro_batches: int) -> dict:
+        args = self.args
+        with self.accelerator.autocast():
+            logits, new_values = self.model(
+                episodes.input_ids, episodes.attention_mask, args.response_length, args.temperature
+            )
+        new_logprobs = masked_response_logprobs(logits, episodes)
+        mask = episodes.response_mask
+        pg_loss, pg_stats = ppo.policy_loss(new_logprobs, episodes.logprobs, advantages, mask, args.cliprange)
+        vf_loss, vf_stats = ppo.value_loss(new_values.float(), episodes.values, returns, mask, args.cliprange_value)
+        loss = pg_loss + args.vf_coef * vf_loss
+        self.accelerator.backward(loss / num_micro_batches)
+        with torch.no_grad():
+            entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), mask)
+        return {
+            "policy/approxkl_avg": pg_stats["approxkl"],
+            "policy/clipfrac_avg": pg_stats["clipfrac"],
+            "loss/policy_avg": pg_loss.detach(),
+            "loss/value_avg": vf_loss.detach(),
+            "val/clipfrac_avg": vf_stats["clipfrac"],
+            "policy/entropy_avg": entropy,
+            "val/ratio": pg_stats["ratio"],
+        }
+
+    # ------------------------------------------------------------------------------------------ rollout parts
+    def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float | None = None):
+        args = self.args
+        temperature = args.temperature if temperature is None else temperature
+        with unwrap_for_generation(self.model, self.accelerator, args.ds3_gather_for_generation) as wrapper:
+            was_training = wrapper.training
+            wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
+            try:
+                with self.accelerator.autocast():
+                    responses = [
+                        sample_responses(
+                            wrapper.policy, queries[part], query_mask[part], args.response_length, temperature,
+                            self.stop_token_id, self.processing_class.pad_token_id,
+                        )
+                        for part in chunks(queries.size(0), args.local_rollout_forward_batch_size)
+                    ]
+            finally:
+                wrapper.train(was_training)
+        return torch.cat(responses)
+
+    def _reference_logits(self, episodes: Rollout) -> torch.Tensor:
+        args = self.args
+        if self.ref_model is not None:
+            return policy_response_logits(
+                self.ref_model, episodes.input_ids, episodes.attention_mask, args.response_length, args.temperature
+            )
+        policy = self.accelerator.unwrap_model(self.model).policy
+        with peft_reference(policy, args.ref_adapter_name, args.model_adapter_name):
+            return policy_response_logits(
+                policy, episodes.input_ids, episodes.attention_mask, args.response_length, args.temperature
+            )
+
+    # ------------------------------------------------------------------------------------- state and logging
+    def _begin_training(self) -> None:
+        args = self.args
+        self.state.global_step = 0
+        self.state.episode = 0
+        self.state.init_training_references(self, args.num_total_batches, args.total_episodes / len(self.train_dataset), None)
+        self.state.compute_steps(args, args.num_total_batches)
+        self._metrics_since_log = defaultdict(list)
+        self._start_time = time.time()
+        self._policy_loss_sum = 0.0
+        self.model.train()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+
+    def _end_update(self, rollout: Rollout, reward_stats: dict, update_stats: dict) -> None:
+        """Gather this update's metrics, step the schedule, then log / save as the callbacks decide."""
+        metrics = self._update_metrics(rollout, reward_stats, update_stats)
+        for key, value in metrics.items():
+            self._metrics_since_log[key].append(value)
+        self._policy_loss_sum += metrics["loss/policy_avg"]
+        self.state.global_step += 1
+        self.state.epoch = self.state.episode / len(self.train_dataset)
+        self.lr_scheduler.step()
+        self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+        if self.control.should_log:
+            self.log(self._pop_logged_metrics())
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    @torch.no_grad()
+    def _update_metrics(self, rollout: Rollout, reward_stats: dict, update_stats: dict) -> dict[str, float]:
+        """The PPOv2 metrics of one update, averaged over all processes."""
+        mask = rollout.response_mask
+        non_score_reward = reward_stats["non_score_rewards"].sum(1).mean()
+        local = {
+            "objective/kl": reward_stats["kl"].sum(1).mean(),
+            "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
+            "objective/non_score_reward": non_score_reward,
+            "objective/rlhf_reward": non_score_reward + rollout.scores.mean(),
+            "objective/scores": rollout.scores.mean(),
+        }
+        local.update({key: values.float().mean() for key, values in update_stats.items()})
+        names = list(local)
+        gathered = self.accelerator.gather(torch.stack([local[n].float() for n in names]).unsqueeze(0))
+        metrics = dict(zip(names, gathered.mean(0).tolist()))
+        ratios = self.accelerator.gather(update_stats["val/ratio"].float())
+        metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
+        eos_id = self.processing_class.eos_token_id
+        num_eos = ((rollout.responses == eos_id) & mask).sum() if eos_id is not None else torch.tensor(0)
+        metrics["val/num_eos_tokens"] = self.accelerator.gather(num_eos.reshape(1).to(mask.device)).sum().item()
+        metrics["eps"] = int(self.state.episode / max(time.time() - self._start_time, 1e-9))
+        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
+        metrics["episode"] = self.state.episode
+        return metrics
+
+    def _pop_logged_metrics(self) -> dict[str, float]:
+        """Mean of each metric over the updates since the last log (latest value for eps, lr, episode)."""
+        logs = {
+            key: values[-1] if key in _LATEST_VALUE_METRICS else sum(values) / len(values)
+            for key, values in self._metrics_since_log.items()
+        }
+        self._metrics_since_log.clear()
+        return logs
+
+    def _end_training(self) -> TrainOutput:
+        if self._metrics_since_log:
+            self.log(self._pop_logged_metrics())
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        runtime = time.time() - self._start_time
+        metrics = {
+            "train_runtime": runtime,
+            "train_episodes_per_second": self.state.episode / max(runtime, 1e-9),
+            "total_episodes": self.state.episode,
+        }
+        loss = self._policy_loss_sum / max(self.state.global_step, 1)
+        return TrainOutput(self.state.global_step, loss, metrics)
+
+    # ----------------------------------------------------------------------------------------- completions
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False) -> list[dict]:
+        """Sample completions for evaluation prompts and show them with their scores.
+
+        With `sampling=True` (during training) only the first `per_device_eval_batch_size` prompts are used;
+        otherwise the whole `eval_dataset` (or, without one, the first prompts of `train_dataset`).
+        Returns the rows shown: `query`, `model response`, `score`.
+        """
+        args = self.args
+        dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
+        count = min(len(dataset), args.per_device_eval_batch_size if sampling or self.eval_dataset is None else len(dataset))
+        rows = []
+        for part in chunks(count, args.per_device_eval_batch_size):
+            batch = self.data_collator([dataset[i] for i in range(part.start, part.stop)])
+            queries = batch["input_ids"].to(self.accelerator.device)
+            query_mask = batch["attention_mask"].to(self.accelerator.device).bool()
+            responses = self._sample(queries, query_mask)
+            rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
+            scores = self.score(rollout, batch)
+            texts = zip(
+                decode_texts(self.processing_class, queries, query_mask),
+                decode_texts(self.processing_class, responses, rollout.response_mask),
+                scores.tolist(),
+            )
+            rows.extend({"query": q, "model response": r, "score": s} for q, r, s in texts)
+        if self.accelerator.is_main_process:
+            print_completions_table(rows, title=f"Completions at update {self.state.global_step}")
+            if "wandb" in (args.report_to or []):
+                log_completions_to_wandb(rows, step=self.state.global_step)
+        return rows
+
+    # ---------------------------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the policy (or its PEFT adapter) and tokenizer in the Hugging Face format; checkpoints and
+        `save_value_model=True` also write the value model to `<output_dir>/value_model`."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if _internal_call or self.args.save_value_model:
+            self._save_value_model(os.path.join(output_dir, "value_model"))
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # `Trainer.save_model` passes the wrapper's state dict (policy. / value_model. keys) or None.
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        policy = self.accelerator.unwrap_model(self.model).policy
+        if state_dict is not None:
+            state_dict = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
+        os.makedirs(output_dir, exist_ok=True)
+        policy.save_pretrained(output_dir, state_dict=state_dict)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_value_model(self, output_dir: str) -> None:
+        value_model = self.accelerator.unwrap_model(self.model).value_model
+        state_dict = None
+        if self.is_deepspeed_enabled:
+            full = self.accelerator.get_state_dict(self.model)
+            state_dict = {k[len("value_model.") :]: v for k, v in full.items() if k.startswith("value_model.")}
+        if self.args.should_save:
+            value_model.save_pretrained(output_dir, state_dict=state_dict)
+
+
+__all__ = ["PPOTrainer"]
