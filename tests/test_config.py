@@ -1,0 +1,115 @@
+"""Configs: TRL's names and defaults, self-documenting fields, derived batch sizes and early errors."""
+
+import copy
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+from datasets import Dataset
+from transformers import HfArgumentParser, TrainingArguments
+
+from trl_ppo import ModelConfig, OnPolicyConfig, PPOConfig, PPOTrainer, ScriptArguments
+from trl_ppo.config import compute_batch_sizes, validate_config
+
+TRL_DEFAULTS = dict(
+    exp_name="ppo_config", model_adapter_name=None, ref_adapter_name=None, num_ppo_epochs=4, whiten_rewards=False,
+    kl_coef=0.05, kl_estimator="k1", cliprange=0.2, vf_coef=0.1, cliprange_value=0.2, gamma=1.0, lam=0.95,
+    ds3_gather_for_generation=True, run_name=None, dataset_num_proc=None, num_mini_batches=1, total_episodes=None,
+    local_rollout_forward_batch_size=64, num_sample_generations=10, response_length=53, stop_token=None,
+    stop_token_id=None, temperature=0.7, missing_eos_penalty=None, learning_rate=3e-6, world_size=None,
+    num_total_batches=None, micro_batch_size=None, local_batch_size=None, batch_size=None,
+    local_mini_batch_size=None, mini_batch_size=None,
+)
+
+
+def test_fields_keep_trl_names_and_defaults(tmp_path):
+    config = PPOConfig(output_dir=str(tmp_path))
+    for name, default in TRL_DEFAULTS.items():
+        assert getattr(config, name) == default, name
+    assert isinstance(config, OnPolicyConfig) and isinstance(config, TrainingArguments)
+    assert {"reward_model_path", "sft_model_path"} <= {f.name for f in dataclasses.fields(PPOConfig)}
+
+
+@pytest.mark.parametrize("cls", [PPOConfig, ScriptArguments, ModelConfig])
+def test_every_own_field_has_help(cls):
+    own = [f for f in dataclasses.fields(cls) if cls is not PPOConfig or f.name not in TrainingArguments.__dataclass_fields__
+           or f.name == "learning_rate"]
+    assert own
+    for f in own:
+        assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+
+
+def test_cli_help_documents_ppo_options():
+    result = subprocess.run([sys.executable, "-m", "trl_ppo", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for option in ("--kl_estimator", "--missing_eos_penalty", "--model_name_or_path", "--dataset_name", "--lam"):
+        assert option in result.stdout
+    assert "Lambda of generalized advantage estimation" in result.stdout
+
+
+def test_parser_reads_trl_style_flags(tmp_path):
+    parser = HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig))
+    script_args, config, model_args = parser.parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--dataset_name", "x.jsonl", "--kl_estimator", "k3", "--stop_token", "eos",
+        "--missing_eos_penalty", "1.0", "--model_name_or_path", "m", "--use_peft", "--lora_r", "8",
+    ])
+    assert (config.kl_estimator, config.stop_token, config.missing_eos_penalty) == ("k3", "eos", 1.0)
+    assert script_args.dataset_name == "x.jsonl" and model_args.use_peft and model_args.lora_r == 8
+
+
+def test_derived_batch_sizes(tmp_path):
+    config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=4,
+                       num_mini_batches=2, total_episodes=100)
+    compute_batch_sizes(config, world_size=2, train_dataset_len=1000)
+    assert (config.local_batch_size, config.batch_size, config.micro_batch_size) == (16, 32, 8)
+    assert (config.local_mini_batch_size, config.mini_batch_size) == (8, 16)
+    assert config.num_total_batches == 4  # ceil(100 / 32)
+    epochs = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=2)
+    compute_batch_sizes(epochs, world_size=1, train_dataset_len=10)
+    assert epochs.total_episodes == 20 and epochs.num_total_batches == 10
+
+
+def test_inexact_division_names_both_numbers(tmp_path):
+    config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3,
+                       num_mini_batches=2)
+    with pytest.raises(ValueError, match=r"local_mini_batch_size` \(6\).*per_device_train_batch_size` \(4\)"):
+        compute_batch_sizes(config, world_size=1, train_dataset_len=100)
+    config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_mini_batches=2)
+    with pytest.raises(ValueError, match=r"\(3\).*num_mini_batches` \(2\)"):
+        compute_batch_sizes(config, world_size=1, train_dataset_len=100)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(response_length=0), "response_length"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(stop_token="</s>"), "stop_token"),
+    (dict(stop_token="eos", stop_token_id=3), "both set"),
+    (dict(missing_eos_penalty=1.0), "needs a stop token"),
+    (dict(kl_estimator="k2"), "kl_estimator"),
+    (dict(lam=1.5), "lam"),
+])
+def test_bad_values_are_rejected(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        validate_config(PPOConfig(output_dir=str(tmp_path), **overrides))
+
+
+def test_trainer_rejects_bad_inputs_before_training(make_config, tokenizer, load_models, prompt_dataset):
+    policy, value_model, reward_model = load_models()
+    common = dict(model=policy, ref_model=None, reward_model=reward_model, value_model=value_model)
+    with pytest.raises(ValueError, match="neither an `input_ids` nor a `prompt`"):
+        PPOTrainer(args=make_config(), processing_class=tokenizer, train_dataset=Dataset.from_dict({"text": ["a"]}),
+                   **common)
+    with pytest.raises(ValueError, match="empty"):
+        PPOTrainer(args=make_config(), processing_class=tokenizer,
+                   train_dataset=Dataset.from_dict({"prompt": []}), **common)
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        PPOTrainer(args=make_config(), processing_class=tokenizer, train_dataset=prompt_dataset.select(range(5)),
+                   **common)
+    no_pad = copy.deepcopy(tokenizer)
+    no_pad.pad_token = None
+    with pytest.raises(ValueError, match="no pad token"):
+        PPOTrainer(args=make_config(), processing_class=no_pad, train_dataset=prompt_dataset, **common)
+    with pytest.raises(TypeError, match="reward_model"):
+        PPOTrainer(args=make_config(), processing_class=tokenizer, train_dataset=prompt_dataset,
+                   **{**common, "reward_model": "not a model"})
