@@ -155,11 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # `trl-ppo train ...` is the same as `trl-ppo ...`
         argv = argv[1:]
-    if "--model_name_or_path" not in " ".join(argv) and not any(a in ("-h", "--help") for a in argv):
-        run_default_job(argv)
-        return
     script_args, training_args, model_args = build_parser().parse_args_into_dataclasses(args=argv)
-    run_from_models(script_args, training_args, model_args)
+    if model_args.model_name_or_path is None:
+        run_default_job(argv)
+    else:
+        run_from_models(script_args, training_args, model_args)
 
 
 if __name__ == "__main__":
