@@ -85,7 +85,7 @@ def test_inexact_division_names_both_numbers(tmp_path):
     (dict(temperature=0.0), "temperature"),
     (dict(stop_token="</s>"), "stop_token"),
     (dict(stop_token="eos", stop_token_id=3), "both set"),
-    (dict(missing_eos_penalty=1.0), "needs a stop token"),
+    (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
     (dict(kl_estimator="k2"), "kl_estimator"),
     (dict(lam=1.5), "lam"),
 ])

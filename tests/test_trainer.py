@@ -185,3 +185,47 @@ def test_learning_with_a_reward_that_favours_one_token(make_config, tokenizer, l
     print("first/last mean score", first, last)
     assert last > first + 1.0, (first, last)
     assert time.time() - start < 60
+
+
+def test_missing_eos_penalty_looks_for_the_configured_stop_token(make_config, tokenizer, load_models, prompt_dataset):
+    """With `stop_token_id` set to a word, the penalty hits responses without that word, not those without EOS."""
+    good = tokenizer.convert_tokens_to_ids("good")
+    config = make_config(stop_token_id=good, missing_eos_penalty=2.0, response_length=24, temperature=3.0)
+    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, reward=lambda prompts, completions, **_:
+                           [0.0] * len(completions))
+    rollout = one_rollout(trainer)
+    has_good = ((rollout.responses == good) & rollout.response_mask).any(1)
+    assert has_good.any() and (~has_good).any()
+    assert rollout.scores.tolist() == [0.0 if h else -2.0 for h in has_good.tolist()]
+
+
+def test_reward_functions_get_text_and_dataset_columns(make_config, tokenizer, load_models, prompt_dataset):
+    seen = {}
+
+    def reward(prompts, completions, topic, **columns):
+        seen.update(prompts=prompts, completions=completions, topic=topic, other=columns)
+        return [float(len(c.split())) for c in completions]
+
+    dataset = prompt_dataset.add_column("topic", [f"t{i}" for i in range(len(prompt_dataset))])
+    trainer = make_trainer(make_config(), tokenizer, load_models, dataset, reward=reward)
+    rollout = one_rollout(trainer)
+    assert len(seen["prompts"]) == len(seen["completions"]) == len(seen["topic"]) == 8
+    assert all(t.startswith("t") for t in seen["topic"]) and "prompt" in seen["other"]
+    assert seen["prompts"] == seen["other"]["prompt"]  # decoded prompts round-trip the text column
+    assert rollout.scores.tolist() == [float(len(c.split())) for c in seen["completions"]]
+
+
+def test_conversational_prompts_use_the_chat_template(make_config, tokenizer, load_models):
+    from datasets import Dataset
+
+    messages = [[{"role": "user", "content": "the movie was"}]] * 16
+    trainer = make_trainer(make_config(total_episodes=8), tokenizer, load_models, Dataset.from_dict({"prompt": messages}))
+    expected = tokenizer.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(trainer.train_dataset[0]["input_ids"]) == expected.strip()
+    trainer.train()
+
+
+def test_saved_policy_keeps_its_kv_cache_setting(make_config, tokenizer, load_models, prompt_dataset, tmp_path):
+    trainer = make_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
+    trainer.save_model(str(tmp_path / "saved"))
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").config.use_cache is True

@@ -206,8 +206,6 @@ def validate_config(args: OnPolicyConfig) -> None:
     if args.missing_eos_penalty is not None:
         if args.missing_eos_penalty < 0:
             fail(f"`missing_eos_penalty` is subtracted, so it must be >= 0; got {args.missing_eos_penalty}.")
-        if args.stop_token is None and args.stop_token_id is None:
-            fail("`missing_eos_penalty` needs a stop token to look for: set `stop_token='eos'` or `stop_token_id`.")
     for name in ("num_mini_batches", "local_rollout_forward_batch_size", "per_device_train_batch_size",
                  "gradient_accumulation_steps"):
         if getattr(args, name) < 1:

@@ -27,7 +27,7 @@ NEUTRAL_WORDS = (
     "to of in on at with for my our your their day movie trip book food team weather concert phone game morning "
     "class hotel city song garden new old long short big small again today yesterday later then also just "
     "some many more most all every time people place thing way kind part , . i we you they think honestly fair "
-    "overall be in short"
+    "overall be in short user assistant system :"
 ).split()
 SPECIAL_TOKENS = {"pad_token": "[PAD]", "eos_token": "[EOS]", "unk_token": "[UNK]"}
 

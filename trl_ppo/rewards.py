@@ -71,10 +71,11 @@ def compute_scores(
     tokenizer,
     columns: dict[str, list],
     chunk_size: int,
-    stop_token_id: int | None,
+    penalty_token_id: int | None,
     missing_eos_penalty: float | None,
 ) -> torch.Tensor:
-    """Score every episode of `rollout` and apply the missing-stop-token penalty. -> `[B]` float32.
+    """Score every episode of `rollout`; subtract `missing_eos_penalty` from those without `penalty_token_id`
+    (the stop token, or EOS without one). -> `[B]` float32.
 
     `columns` are the dataset's other columns for this batch, passed to reward functions as keyword lists.
     """
@@ -84,7 +85,7 @@ def compute_scores(
         prompts = decode_texts(tokenizer, rollout.queries, rollout.query_mask)
         completions = decode_texts(tokenizer, rollout.responses, rollout.response_mask)
         scores = reward_function_scores(reward, prompts, completions, columns, rollout.responses.device)
-    if missing_eos_penalty is not None and stop_token_id is not None:
-        has_stop = ppo.contains_stop_token(rollout.responses, rollout.response_mask, stop_token_id)
+    if missing_eos_penalty is not None and penalty_token_id is not None:
+        has_stop = ppo.contains_stop_token(rollout.responses, rollout.response_mask, penalty_token_id)
         scores = ppo.apply_missing_eos_penalty(scores, has_stop, missing_eos_penalty)
     return scores

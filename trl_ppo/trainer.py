@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput
+from transformers.utils import logging
 
 from . import ppo
 from .completions import log_completions_to_wandb, print_completions_table
@@ -34,6 +35,8 @@ from .models import (
 )
 from .rewards import check_reward, compute_scores, decode_texts
 from .rollout import Rollout, chunks, masked_response_logprobs, sample_responses, unwrap_for_generation
+
+logger = logging.get_logger(__name__)
 
 # Metrics averaged over the updates between two logs; the others are reported as of the latest update.
 _LATEST_VALUE_METRICS = ("eps", "lr", "episode")
@@ -97,6 +100,13 @@ class PPOTrainer(Trainer):
         self.stop_token_id = args.stop_token_id
         if args.stop_token == "eos":
             self.stop_token_id = processing_class.eos_token_id
+        # The token whose absence `missing_eos_penalty` punishes: the stop token, else (as in TRL) EOS.
+        self.penalty_token_id = self.stop_token_id if self.stop_token_id is not None else processing_class.eos_token_id
+        if args.missing_eos_penalty is not None and self.stop_token_id is None:
+            logger.warning(
+                "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
+                "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
+            )
         if (
             ref_model is not None
             and not is_peft_model(model)
@@ -129,6 +139,7 @@ class PPOTrainer(Trainer):
         if data_collator is None:
             data_collator = LeftPaddingCollator(processing_class.pad_token_id)
 
+        use_cache = getattr(model.config, "use_cache", None)
         super().__init__(
             model=PolicyAndValueWrapper(model, value_model),
             args=args,
@@ -139,6 +150,8 @@ class PPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        if use_cache is not None:  # `Trainer` sets it from `args.use_cache`; keep the saved policy's own value
+            model.config.use_cache = use_cache
         compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset))
         if len(train_dataset) < args.batch_size:
             raise ValueError(
@@ -244,7 +257,7 @@ class PPOTrainer(Trainer):
                 self.processing_class,
                 columns,
                 self.args.local_rollout_forward_batch_size,
-                self.stop_token_id,
+                self.penalty_token_id,
                 self.args.missing_eos_penalty,
             )
 
