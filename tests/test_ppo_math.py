@@ -27,9 +27,10 @@ def test_masked_mean_var_whiten():
     close(ppo.masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[T, F], [T, T]]), dim=1), [1.0, 6.0])
 
 
-def test_masked_var_needs_two_values():
-    with pytest.raises(ValueError, match="at least 2"):
-        ppo.masked_var(torch.tensor([1.0, 2.0]), torch.tensor([T, F]))
+def test_whitening_a_single_token_gives_zero_not_nan():
+    """A batch whose only response is one stop token must not crash or poison training with NaN."""
+    assert ppo.masked_var(torch.tensor([1.0, 2.0]), torch.tensor([T, F])) == 0
+    assert ppo.masked_whiten(torch.tensor([[3.0, 0.0]]), torch.tensor([[T, F]]))[0, 0] == 0
 
 
 def test_kl_estimators():

@@ -90,65 +90,60 @@ def load_models(training_args: PPOConfig, model_args: ModelConfig):
     return tokenizer, policy, ref_policy, value_model, reward_model
 
 
-def run_default_job(argv: list[str]) -> None:
-    """Train the tiny embedded policy on the shipped prompts with the positive-words reward."""
-    from . import default_job
-    from .trainer import PPOTrainer
-
-    script_args, training_args, model_args = build_parser().parse_args_into_dataclasses(
-        args=default_job.DEFAULT_JOB_FLAGS + argv
-    )
-    tokenizer = default_job.build_word_tokenizer()
-    policy, value_model = default_job.build_tiny_models(tokenizer)
-    prompts = default_job.default_prompts()
-    if script_args.dataset_name:
-        prompts, _ = load_prompt_datasets(script_args)
-    split = prompts.train_test_split(test_size=16, seed=0)
-    trainer = PPOTrainer(
-        args=training_args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=default_job.positive_words_reward,
-        value_model=value_model,
-        train_dataset=split["train"],
-        eval_dataset=split["test"],
-        peft_config=get_peft_config(model_args),
-    )
-    trainer.train()
-    trainer.generate_completions()
-    trainer.save_model(training_args.output_dir)
-    print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
-
-
-def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
-    """Train models given by path/hub name on a prompt dataset (the TRL example's flow)."""
+def prompt_datasets(script_args: ScriptArguments):
+    """(train, eval) prompts: `--dataset_name` when given, else the prompts shipped with trl_ppo."""
     from accelerate import PartialState
 
     from .default_job import default_prompts
-    from .trainer import PPOTrainer
 
-    tokenizer, policy, ref_policy, value_model, reward_model = load_models(training_args, model_args)
     with PartialState().local_main_process_first():
         if script_args.dataset_name:
-            train_dataset, eval_dataset = load_prompt_datasets(script_args)
-        else:
-            split = default_prompts().train_test_split(test_size=16, seed=0)
-            train_dataset, eval_dataset = split["train"], split["test"]
+            return load_prompt_datasets(script_args)
+        split = default_prompts().train_test_split(test_size=16, seed=0)
+        return split["train"], split["test"]
+
+
+def train_and_save(training_args, model_args, tokenizer, policy, ref_policy, reward, value_model, datasets) -> None:
+    """Train, show the final completions table and save the policy to `output_dir`."""
+    from .trainer import PPOTrainer
+
+    train_dataset, eval_dataset = datasets
     trainer = PPOTrainer(
         args=training_args,
         processing_class=tokenizer,
         model=policy,
         ref_model=ref_policy,
-        reward_model=reward_model,
+        reward_model=reward,
         value_model=value_model,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
     )
     trainer.train()
-    trainer.save_model(training_args.output_dir)
     trainer.generate_completions()
+    trainer.save_model(training_args.output_dir)
+    if trainer.is_world_process_zero():
+        print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
+
+
+def run_default_job(argv: list[str]) -> None:
+    """Train the tiny embedded policy with the positive-words reward (on the shipped prompts by default)."""
+    from . import default_job
+
+    script_args, training_args, model_args = build_parser().parse_args_into_dataclasses(
+        args=default_job.DEFAULT_JOB_FLAGS + argv
+    )
+    tokenizer = default_job.build_word_tokenizer()
+    policy, value_model = default_job.build_tiny_models(tokenizer)
+    train_and_save(training_args, model_args, tokenizer, policy, None, default_job.positive_words_reward,
+                   value_model, prompt_datasets(script_args))
+
+
+def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
+    """Train models given by path/hub name on a prompt dataset (the TRL example's flow)."""
+    tokenizer, policy, ref_policy, value_model, reward_model = load_models(training_args, model_args)
+    train_and_save(training_args, model_args, tokenizer, policy, ref_policy, reward_model, value_model,
+                   prompt_datasets(script_args))
 
 
 def main(argv: list[str] | None = None) -> None:

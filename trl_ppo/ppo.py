@@ -26,10 +26,8 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     """Variance of `values` over the masked positions, with Bessel's correction when `unbiased`."""
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = mask.sum()
-        if count < 2:
-            raise ValueError(f"An unbiased variance needs at least 2 unmasked values, got {int(count)}.")
+    count = mask.sum()
+    if unbiased and count > 1:  # a single value has variance 0 either way
         var = var * count / (count - 1)
     return var
 
