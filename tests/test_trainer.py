@@ -229,3 +229,68 @@ def test_saved_policy_keeps_its_kv_cache_setting(make_config, tokenizer, load_mo
     trainer = make_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
     trainer.save_model(str(tmp_path / "saved"))
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").config.use_cache is True
+
+
+def test_logging_steps_average_updates_and_the_schedule_steps_once_per_update(
+    make_config, tokenizer, load_models, prompt_dataset
+):
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.step_ends, self.logs = 0, []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_ends += 1
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    recorder = Recorder()
+    config = make_config(total_episodes=32, logging_steps=2, learning_rate=1e-3, lr_scheduler_type="linear")
+    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, callbacks=[recorder])
+    per_update = []
+    original = trainer._update_metrics
+    trainer._update_metrics = lambda *a: per_update.append(original(*a)) or per_update[-1]
+    trainer.train()
+    assert recorder.step_ends == 4 and len(per_update) == 4
+    assert [entry["episode"] for entry in recorder.logs] == [16, 32]  # updates 2 and 4
+    for log, pair in zip(recorder.logs, (per_update[:2], per_update[2:])):
+        assert log["objective/scores"] == pytest.approx(sum(m["objective/scores"] for m in pair) / 2)
+        assert log["lr"] == pair[1]["lr"]
+    # Linear decay over 4 updates, one scheduler step per update: lr before update k is 1e-3 * (4 - k + 1) / 4.
+    assert [m["lr"] for m in per_update] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
+def test_pad_token_equal_to_eos_keeps_the_stop_token_in_the_response(make_config, tokenizer, load_models,
+                                                                      prompt_dataset):
+    """The common `tokenizer.pad_token = tokenizer.eos_token` set-up: the EOS that ends a response is part of it
+    (the reward model reads it, GAE credits it), and the first PPO ratio is still exactly 1."""
+    import copy
+
+    same = copy.deepcopy(tokenizer)
+    same.pad_token = same.eos_token
+    config = make_config(stop_token="eos", response_length=16, temperature=3.0)
+    trainer = make_trainer(config, same, load_models, prompt_dataset)
+    rollout = one_rollout(trainer)
+    eos = same.eos_token_id
+    ends_with_eos = [(r[m][-1] == eos).item() for r, m in zip(rollout.responses, rollout.response_mask)]
+    assert any(ends_with_eos)
+    for response, mask, stopped in zip(rollout.responses, rollout.response_mask, ends_with_eos):
+        if stopped:
+            assert (response[mask] == eos).sum() == 1  # the EOS is inside the mask exactly once
+    advantages, returns, _ = trainer.compute_advantages(rollout)
+    stats = trainer.ppo_update(rollout, advantages, returns)
+    torch.testing.assert_close(stats["val/ratio"][:2], torch.ones(2), atol=1e-5, rtol=0)
+
+
+def test_right_padded_prompts_are_rejected(make_config, tokenizer, load_models, prompt_dataset):
+    from transformers import DataCollatorWithPadding
+    import copy
+
+    right = copy.deepcopy(tokenizer)
+    right.padding_side = "right"
+    dataset = prompt_dataset.map(lambda row: {"input_ids": tokenizer(row["prompt"])["input_ids"]},
+                                 remove_columns=["prompt"])
+    with pytest.raises(ValueError, match="left-padded"):
+        make_trainer(make_config(), tokenizer, load_models, dataset, data_collator=DataCollatorWithPadding(right))

@@ -165,6 +165,9 @@ class PPOTrainer(Trainer):
         self.ref_model = None if ref_model is None else freeze(ref_model).to(device)
         self.reward_model = freeze(reward_model).to(device) if isinstance(reward_model, nn.Module) else reward_model
 
+        # Collate a few prompts now, so that a collator that pads on the wrong side fails before any rollout.
+        self._prompts_of(self.data_collator([train_dataset[i] for i in range(min(len(train_dataset), 8))]))
+
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         self.train_dataloader = self.get_train_dataloader()
@@ -226,8 +229,7 @@ class PPOTrainer(Trainer):
         """Sample one response per prompt, then compute logprobs, ref_logprobs and values (no gradients)."""
         args = self.args
         device = self.accelerator.device
-        queries = batch["input_ids"].to(device)
-        query_mask = batch["attention_mask"].to(device).bool()
+        queries, query_mask = self._prompts_of(batch)
         responses = self._sample(queries, query_mask)
         rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
 
@@ -322,6 +324,20 @@ class PPOTrainer(Trainer):
         }
 
     # ------------------------------------------------------------------------------------------ rollout parts
+    def _prompts_of(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt ids, prompt mask) of a collated batch on the device, checked to be left-padded."""
+        queries = batch["input_ids"].to(self.accelerator.device)
+        if "attention_mask" in batch:
+            query_mask = batch["attention_mask"].to(queries.device).bool()
+        else:
+            query_mask = queries != self.processing_class.pad_token_id
+        if not bool(query_mask[:, -1].all()):
+            raise ValueError(
+                "Prompts must be left-padded (the response is appended after the last column), but this batch has "
+                "padding at the end: use the default collator, or a tokenizer with `padding_side='left'`."
+            )
+        return queries, query_mask
+
     def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float | None = None):
         args = self.args
         temperature = args.temperature if temperature is None else temperature
@@ -448,8 +464,7 @@ class PPOTrainer(Trainer):
         rows = []
         for part in chunks(count, args.per_device_eval_batch_size):
             batch = self.data_collator([dataset[i] for i in range(part.start, part.stop)])
-            queries = batch["input_ids"].to(self.accelerator.device)
-            query_mask = batch["attention_mask"].to(self.accelerator.device).bool()
+            queries, query_mask = self._prompts_of(batch)
             responses = self._sample(queries, query_mask)
             rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
             scores = self.score(rollout, batch)
