@@ -159,3 +159,35 @@ def peft_reference(policy: nn.Module, ref_adapter_name: str | None, model_adapte
         yield
     finally:
         policy.set_adapter(model_adapter_name or "default")
+
+
+def gradient_checkpointing_kwargs(args) -> dict | None:
+    """The kwargs for `gradient_checkpointing_enable` when `args` asks for it, else None."""
+    if not (args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)):
+        return None
+    return args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+
+
+def prepare_models(policy, ref_model, value_model, reward_model, peft_config=None, checkpointing_kwargs=None):
+    """Make the models ready for PPO -> (policy, ref_model).
+
+    Adds the PEFT adapter when `peft_config` is given; without a `ref_model`, the reference is a frozen copy of
+    the policy, or None for a PEFT policy (its adapter is disabled instead); dropout is turned off in every
+    model; gradient checkpointing is enabled on the trained models when `checkpointing_kwargs` is not None.
+    """
+    if ref_model is not None and not is_peft_model(policy) and peft_config is None:
+        if any(p is q for p, q in zip(ref_model.parameters(), policy.parameters())):
+            raise ValueError("`ref_model` shares its weights with `model`: pass a separate copy, or `None`.")
+    if peft_config is not None:
+        policy = add_peft_adapter(policy, peft_config)
+    if ref_model is None and not is_peft_model(policy):
+        ref_model = create_reference_model(policy)
+    for module in (policy, value_model, ref_model, reward_model):
+        if isinstance(module, nn.Module):
+            disable_dropout(module)
+    if checkpointing_kwargs is not None:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+        value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+        if is_peft_model(policy):
+            policy.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need an input grad
+    return policy, ref_model

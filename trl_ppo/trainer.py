@@ -24,14 +24,13 @@ from .config import OnPolicyConfig, PPOConfig, compute_batch_sizes, validate_con
 from .data import LeftPaddingCollator, prepare_prompt_dataset
 from .models import (
     PolicyAndValueWrapper,
-    add_peft_adapter,
     check_scalar_head_model,
-    create_reference_model,
-    disable_dropout,
     freeze,
+    gradient_checkpointing_kwargs,
     is_peft_model,
     peft_reference,
     policy_response_logits,
+    prepare_models,
 )
 from .rewards import check_reward, compute_scores, decode_texts
 from .rollout import Rollout, chunks, masked_response_logprobs, sample_responses, unwrap_for_generation
@@ -107,29 +106,10 @@ class PPOTrainer(Trainer):
                 "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
                 "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
             )
-        if (
-            ref_model is not None
-            and not is_peft_model(model)
-            and peft_config is None
-            and any(p is q for p, q in zip(ref_model.parameters(), model.parameters()))
-        ):
-            raise ValueError("`ref_model` shares its weights with `model`: pass a separate copy, or `None`.")
-
-        # Models: the policy (maybe with a PEFT adapter), its reference, and dropout off everywhere.
-        if peft_config is not None:
-            model = add_peft_adapter(model, peft_config)
+        model, ref_model = prepare_models(
+            model, ref_model, value_model, reward_model, peft_config, gradient_checkpointing_kwargs(args)
+        )
         self.is_peft_model = is_peft_model(model)
-        if ref_model is None and not self.is_peft_model:
-            ref_model = create_reference_model(model)
-        for module in (model, value_model, ref_model, reward_model):
-            if isinstance(module, nn.Module):
-                disable_dropout(module)
-        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
-            kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            if self.is_peft_model:
-                model.enable_input_require_grads()
 
         # Data.
         train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args.dataset_num_proc)
@@ -228,7 +208,6 @@ class PPOTrainer(Trainer):
     def collect_rollout(self, batch: dict) -> Rollout:
         """Sample one response per prompt, then compute logprobs, ref_logprobs and values (no gradients)."""
         args = self.args
-        device = self.accelerator.device
         queries, query_mask = self._prompts_of(batch)
         responses = self._sample(queries, query_mask)
         rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
@@ -338,9 +317,8 @@ class PPOTrainer(Trainer):
             )
         return queries, query_mask
 
-    def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor, temperature: float | None = None):
+    def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor) -> torch.Tensor:
         args = self.args
-        temperature = args.temperature if temperature is None else temperature
         with unwrap_for_generation(self.model, self.accelerator, args.ds3_gather_for_generation) as wrapper:
             was_training = wrapper.training
             wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
@@ -348,7 +326,7 @@ class PPOTrainer(Trainer):
                 with self.accelerator.autocast():
                     responses = [
                         sample_responses(
-                            wrapper.policy, queries[part], query_mask[part], args.response_length, temperature,
+                            wrapper.policy, queries[part], query_mask[part], args.response_length, args.temperature,
                             self.stop_token_id, self.processing_class.pad_token_id,
                         )
                         for part in chunks(queries.size(0), args.local_rollout_forward_batch_size)
