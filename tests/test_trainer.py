@@ -294,3 +294,33 @@ def test_right_padded_prompts_are_rejected(make_config, tokenizer, load_models, 
                                  remove_columns=["prompt"])
     with pytest.raises(ValueError, match="left-padded"):
         make_trainer(make_config(), tokenizer, load_models, dataset, data_collator=DataCollatorWithPadding(right))
+
+
+def test_ref_adapter_name_selects_the_reference_adapter(make_config, tokenizer, load_models, prompt_dataset):
+    from peft import LoraConfig, get_peft_model
+
+    policy, value_model, reward_model = load_models()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value"], task_type="CAUSAL_LM")
+    policy = get_peft_model(policy, lora, adapter_name="default")
+    policy.add_adapter("ref", lora)
+    with torch.no_grad():  # make the reference adapter differ from the (identity-initialised) trained one
+        for name, parameter in policy.named_parameters():
+            if "lora_B.ref" in name:
+                parameter.normal_(std=0.5)
+    config = make_config(ref_adapter_name="ref", model_adapter_name="default")
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
+                         reward_model=reward_model, train_dataset=prompt_dataset, value_model=value_model)
+    rollout = one_rollout(trainer)
+    assert policy.active_adapter == "default"  # switched back after computing ref_logprobs
+    mask = rollout.response_mask
+    assert (rollout.ref_logprobs - rollout.logprobs)[mask].abs().max() > 1e-3
+    policy.set_adapter("ref")
+    from trl_ppo.models import policy_response_logits
+    from trl_ppo.rollout import masked_response_logprobs
+
+    with torch.no_grad():
+        logits = policy_response_logits(policy, rollout.input_ids, rollout.attention_mask, 6, config.temperature)
+    torch.testing.assert_close(masked_response_logprobs(logits, rollout), rollout.ref_logprobs, atol=1e-5, rtol=0)
+    policy.set_adapter("default")
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".default" in n for n in trainable)
