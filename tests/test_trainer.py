@@ -11,6 +11,9 @@ from trl_ppo import PPOTrainer, ppo
 from trl_ppo.rewards import reward_model_scores
 from trl_ppo.rollout import Rollout
 
+# 16 episodes of up to 32 tokens at a high temperature: with a ~140-word vocabulary some responses stop at EOS.
+EOS_LIKELY = dict(response_length=32, temperature=3.0, per_device_train_batch_size=8, local_rollout_forward_batch_size=8)
+
 PPO_METRICS = (
     "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
     "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
@@ -55,7 +58,7 @@ def test_first_minibatch_ratio_is_one(arch, make_config, tokenizer, load_models,
 
 
 def test_rollout_truncates_after_the_stop_token(make_config, tokenizer, load_models, prompt_dataset):
-    config = make_config(stop_token="eos", response_length=16, temperature=3.0)
+    config = make_config(stop_token="eos", **EOS_LIKELY)
     trainer = make_trainer(config, tokenizer, load_models, prompt_dataset)
     rollout = one_rollout(trainer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -73,7 +76,7 @@ def test_rollout_truncates_after_the_stop_token(make_config, tokenizer, load_mod
 
 def test_reward_model_is_read_at_the_last_response_token(make_config, tokenizer, load_models, prompt_dataset):
     """The score of a padded episode equals the reward model's output on the same tokens without padding."""
-    config = make_config(stop_token="eos", response_length=16, temperature=3.0)
+    config = make_config(stop_token="eos", **EOS_LIKELY)
     trainer = make_trainer(config, tokenizer, load_models, prompt_dataset)
     rollout = one_rollout(trainer)
     reward_model = trainer.reward_model
@@ -190,13 +193,15 @@ def test_learning_with_a_reward_that_favours_one_token(make_config, tokenizer, l
 def test_missing_eos_penalty_looks_for_the_configured_stop_token(make_config, tokenizer, load_models, prompt_dataset):
     """With `stop_token_id` set to a word, the penalty hits responses without that word, not those without EOS."""
     good = tokenizer.convert_tokens_to_ids("good")
-    config = make_config(stop_token_id=good, missing_eos_penalty=2.0, response_length=24, temperature=3.0)
+    config = make_config(stop_token_id=good, missing_eos_penalty=2.0, **EOS_LIKELY)
     trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, reward=lambda prompts, completions, **_:
                            [0.0] * len(completions))
     rollout = one_rollout(trainer)
     has_good = ((rollout.responses == good) & rollout.response_mask).any(1)
     assert has_good.any() and (~has_good).any()
     assert rollout.scores.tolist() == [0.0 if h else -2.0 for h in has_good.tolist()]
+    has_eos = ((rollout.responses == tokenizer.eos_token_id) & rollout.response_mask).any(1)
+    assert (has_eos & ~has_good).any()  # an EOS does not spare a response without the stop token
 
 
 def test_reward_functions_get_text_and_dataset_columns(make_config, tokenizer, load_models, prompt_dataset):
@@ -232,8 +237,10 @@ def test_saved_policy_keeps_its_kv_cache_setting(make_config, tokenizer, load_mo
 
 
 def test_logging_steps_average_updates_and_the_schedule_steps_once_per_update(
-    make_config, tokenizer, load_models, prompt_dataset
+    make_config, tokenizer, load_models, prompt_dataset, monkeypatch
 ):
+    from trl_ppo.metrics import MetricsSinceLog
+
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
@@ -250,8 +257,8 @@ def test_logging_steps_average_updates_and_the_schedule_steps_once_per_update(
     config = make_config(total_episodes=32, logging_steps=2, learning_rate=1e-3, lr_scheduler_type="linear")
     trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, callbacks=[recorder])
     per_update = []
-    original = trainer._update_metrics
-    trainer._update_metrics = lambda *a: per_update.append(original(*a)) or per_update[-1]
+    original_add = MetricsSinceLog.add
+    monkeypatch.setattr(MetricsSinceLog, "add", lambda self, m: per_update.append(dict(m)) or original_add(self, m))
     trainer.train()
     assert recorder.step_ends == 4 and len(per_update) == 4
     assert [entry["episode"] for entry in recorder.logs] == [16, 32]  # updates 2 and 4
@@ -270,7 +277,7 @@ def test_pad_token_equal_to_eos_keeps_the_stop_token_in_the_response(make_config
 
     same = copy.deepcopy(tokenizer)
     same.pad_token = same.eos_token
-    config = make_config(stop_token="eos", response_length=16, temperature=3.0)
+    config = make_config(stop_token="eos", **EOS_LIKELY)
     trainer = make_trainer(config, same, load_models, prompt_dataset)
     rollout = one_rollout(trainer)
     eos = same.eos_token_id

@@ -75,6 +75,20 @@ class OnPolicyConfig(TrainingArguments):
             "(`stop_token_id`, or EOS when `stop_token='eos'`). Encourages complete responses; must be positive."
         },
     )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Cut prompts longer than this many tokens (keeping their end) and report how many were cut. "
+            "Without it, a prompt that leaves no room for `response_length` in the model's context is an error."
+        },
+    )
+    skip_nonfinite_updates: bool = field(
+        default=False,
+        metadata={
+            "help": "On a non-finite (NaN/inf) loss, skip the rest of that update and count it "
+            "(`loss/skipped_updates`) instead of stopping the run."
+        },
+    )
     sft_model_path: str = field(
         default="EleutherAI/pythia-160m", metadata={"help": "Path or hub name of the SFT model (used by scripts)."}
     )
@@ -184,6 +198,12 @@ def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len
         args.local_mini_batch_size, args.per_device_train_batch_size, "Cannot split a minibatch into micro-batches",
         "local_mini_batch_size", "per_device_train_batch_size",
     )
+    if args.total_episodes < args.batch_size:
+        raise ValueError(
+            f"`total_episodes` ({args.total_episodes}) is smaller than one batch (`batch_size` = {args.batch_size} = "
+            "per_device_train_batch_size * gradient_accumulation_steps * processes): raise `total_episodes` or "
+            "lower the batch size."
+        )
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
 
 

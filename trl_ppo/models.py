@@ -191,3 +191,28 @@ def prepare_models(policy, ref_model, value_model, reward_model, peft_config=Non
         if is_peft_model(policy):
             policy.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need an input grad
     return policy, ref_model
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The number of positions the model was built for, when its config says."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_vocabularies(tokenizer, models: dict[str, nn.Module | None]) -> None:
+    """Every model that reads the policy's token ids must have an embedding for each of them."""
+    for role, model in models.items():
+        if not isinstance(model, nn.Module) or not hasattr(model, "get_input_embeddings"):
+            continue
+        size = model.get_input_embeddings().num_embeddings
+        if size < len(tokenizer):
+            raise ValueError(
+                f"`{role}` has {size} token embeddings but the tokenizer has {len(tokenizer)} tokens, so some token "
+                f"ids would be out of range. If you added tokens (e.g. a pad token), call "
+                f"`{role}.resize_token_embeddings(len(tokenizer))`; a reward model from another model family needs "
+                "its own tokenizer: score with a reward function that re-tokenizes the decoded text."
+            )

@@ -55,14 +55,27 @@ def reward_function_scores(
     reward_function: RewardFunction, prompts: list[str], completions: list[str], columns: dict[str, list], device
 ) -> torch.Tensor:
     """Call a reward function and check its answer. -> `[B]` float32."""
-    values = reward_function(prompts=prompts, completions=completions, **columns)
-    values = list(values)
+    name = reward_name(reward_function)
+    values = list(reward_function(prompts=prompts, completions=completions, **columns))
     if len(values) != len(completions):
         raise ValueError(
-            f"Reward function {reward_name(reward_function)!r} returned {len(values)} scores for "
-            f"{len(completions)} completions: it must return one float per completion."
+            f"Reward function {name!r} returned {len(values)} scores for {len(completions)} completions: it must "
+            "return one float per completion."
         )
+    if any(value is None for value in values):
+        raise ValueError(f"Reward function {name!r} returned None: it must return one float per completion.")
     return torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+
+
+def check_finite_scores(scores: torch.Tensor, reward: Any) -> torch.Tensor:
+    """Raise, naming the reward, when a score is NaN or infinite (it would poison every later update)."""
+    bad = ~torch.isfinite(scores)
+    if bool(bad.any()):
+        raise ValueError(
+            f"Reward {reward_name(reward)!r} returned {int(bad.sum())} non-finite score(s) out of {scores.numel()} "
+            f"(first: {scores[bad][0].item()}): make it return finite floats."
+        )
+    return scores
 
 
 def compute_scores(
@@ -85,6 +98,7 @@ def compute_scores(
         prompts = decode_texts(tokenizer, rollout.queries, rollout.query_mask)
         completions = decode_texts(tokenizer, rollout.responses, rollout.response_mask)
         scores = reward_function_scores(reward, prompts, completions, columns, rollout.responses.device)
+    check_finite_scores(scores, reward)
     if missing_eos_penalty is not None and penalty_token_id is not None:
         has_stop = ppo.contains_stop_token(rollout.responses, rollout.response_mask, penalty_token_id)
         scores = ppo.apply_missing_eos_penalty(scores, has_stop, missing_eos_penalty)

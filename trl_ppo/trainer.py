@@ -7,6 +7,7 @@ One update reads like the algorithm: rollout -> score -> advantages -> PPO updat
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections import defaultdict
@@ -14,17 +15,21 @@ from collections import defaultdict
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainerState
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
+from . import checkpoint as ckpt
 from . import ppo
 from .completions import log_completions_to_wandb, print_completions_table
 from .config import OnPolicyConfig, PPOConfig, compute_batch_sizes, validate_config
-from .data import LeftPaddingCollator, prepare_prompt_dataset
+from .data import LeftPaddingCollator, SharedOrderBatchSampler, fit_prompts, prepare_prompt_dataset
 from .models import (
     PolicyAndValueWrapper,
     check_scalar_head_model,
+    check_vocabularies,
+    context_length,
     freeze,
     gradient_checkpointing_kwargs,
     is_peft_model,
@@ -32,13 +37,11 @@ from .models import (
     policy_response_logits,
     prepare_models,
 )
+from .metrics import MetricsSinceLog, update_metrics
 from .rewards import check_reward, compute_scores, decode_texts
 from .rollout import Rollout, chunks, masked_response_logprobs, sample_responses, unwrap_for_generation
 
 logger = logging.get_logger(__name__)
-
-# Metrics averaged over the updates between two logs; the others are reported as of the latest update.
-_LATEST_VALUE_METRICS = ("eps", "lr", "episode")
 
 
 class PPOTrainer(Trainer):
@@ -106,16 +109,25 @@ class PPOTrainer(Trainer):
                 "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
                 "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
             )
+        fingerprints = {"policy": model, "ref_model": ref_model, "value_model": value_model, "reward_model": reward_model}
+        fingerprints = {name: ckpt.model_fingerprint(module) for name, module in fingerprints.items()}
         model, ref_model = prepare_models(
             model, ref_model, value_model, reward_model, peft_config, gradient_checkpointing_kwargs(args)
         )
         self.is_peft_model = is_peft_model(model)
+
+        check_vocabularies(
+            processing_class, {"model": model, "ref_model": ref_model, "value_model": value_model, "reward_model": reward_model}
+        )
 
         # Data.
         train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args.dataset_num_proc)
         eval_dataset = prepare_prompt_dataset(eval_dataset, processing_class, args.dataset_num_proc)
         if train_dataset is None or len(train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: PPO needs prompts to sample from.")
+        context = context_length(model)
+        train_dataset = fit_prompts(train_dataset, args.max_prompt_length, args.response_length, context, "train_dataset")
+        eval_dataset = fit_prompts(eval_dataset, args.max_prompt_length, args.response_length, context, "eval_dataset")
         if data_collator is None:
             data_collator = LeftPaddingCollator(processing_class.pad_token_id)
 
@@ -133,6 +145,8 @@ class PPOTrainer(Trainer):
         if use_cache is not None:  # `Trainer` sets it from `args.use_cache`; keep the saved policy's own value
             model.config.use_cache = use_cache
         compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset))
+        self._run_identity = ckpt.run_identity(args, {})
+        self._run_identity.update({f"{name}_fingerprint": value for name, value in fingerprints.items()})
         if len(train_dataset) < args.batch_size:
             raise ValueError(
                 f"`train_dataset` has {len(train_dataset)} prompts, fewer than one batch (`batch_size` = "
@@ -159,50 +173,58 @@ class PPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
-        """Batches of `local_batch_size` prompts in a seeded shuffled order."""
-        generator = torch.Generator()
-        generator.manual_seed(self.args.data_seed if self.args.data_seed is not None else self.args.seed)
+        """This process's batches of `local_batch_size` prompts, in a seeded order shared by all processes."""
+        self._sampler = SharedOrderBatchSampler(
+            len(self.train_dataset), self.args.local_batch_size, self.accelerator.num_processes,
+            self.accelerator.process_index, self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+        )
         return DataLoader(
-            self.train_dataset,
-            batch_size=self.args.local_batch_size,
-            shuffle=True,
-            collate_fn=self.data_collator,
-            drop_last=True,
-            generator=generator,
+            self.train_dataset, batch_sampler=self._sampler, collate_fn=self.data_collator,
             num_workers=self.args.dataloader_num_workers,
         )
 
     def _batches_forever(self):
-        epoch = 0
+        """Batches from `self.data_position` = (epoch, batches already taken in it) on, advancing it."""
         while True:
-            if hasattr(self.train_dataloader, "set_epoch"):
-                self.train_dataloader.set_epoch(epoch)
-            yield from self.train_dataloader
-            epoch += 1
+            epoch, start = self.data_position
+            self._sampler.epoch, self._sampler.start_batch = epoch, start
+            for taken, batch in enumerate(self.train_dataloader, start=start + 1):
+                self.data_position = (epoch, taken)
+                yield batch
+            self.data_position = (epoch + 1, 0)
 
     # ------------------------------------------------------------------------------------------- the loop
-    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
-        """Run `num_total_batches` PPO updates: rollout -> score -> advantages -> update -> log."""
-        if resume_from_checkpoint:
-            raise NotImplementedError("Resuming a PPO run from a checkpoint is not supported yet.")
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs) -> TrainOutput:
+        """Run the PPO updates: rollout -> score -> advantages -> update -> log (and checkpoint).
+
+        `resume_from_checkpoint`: a checkpoint folder, or True for the newest complete one in `output_dir`.
+        On SIGTERM/SIGINT the update in progress is finished (or, if its optimisation has not begun, dropped),
+        a checkpoint is written and the process exits with status 0.
+        """
         args = self.args
-        self._begin_training()
+        self._begin_training(self._checkpoint_to_resume(resume_from_checkpoint))
         batches = self._batches_forever()
-        for update in range(1, args.num_total_batches + 1):
-            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
-                self.generate_completions(sampling=True)
-            batch = next(batches)
+        with ckpt.PreemptionHandler() as preemption:
+            for update in range(self.state.global_step + 1, args.num_total_batches + 1):
+                start_of_update = self._resume_point()
+                self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                    self.generate_completions(sampling=True)
+                batch = next(batches)
 
-            rollout = self.collect_rollout(batch)
-            rollout.scores = self.score(rollout, batch)
-            advantages, returns, reward_stats = self.compute_advantages(rollout)
-            update_stats = self.ppo_update(rollout, advantages, returns)
+                rollout = self.collect_rollout(batch)
+                rollout.scores = self.score(rollout, batch)
+                advantages, returns, reward_stats = self.compute_advantages(rollout)
+                if self._stop_requested(preemption):
+                    self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
+                update_stats = self.ppo_update(rollout, advantages, returns)
 
-            self.state.episode += args.batch_size
-            self._end_update(rollout, reward_stats, update_stats)
-            if self.control.should_training_stop:
-                break
+                self.state.episode += args.batch_size
+                self._end_update(rollout, reward_stats, update_stats)
+                if self._stop_requested(preemption):
+                    self._exit_after_checkpoint(preemption.requested, None)
+                if self.control.should_training_stop:
+                    break
         return self._end_training()
 
     def collect_rollout(self, batch: dict) -> Rollout:
@@ -231,7 +253,7 @@ class PPOTrainer(Trainer):
     def score(self, rollout: Rollout, batch: dict) -> torch.Tensor:
         """Scores `[B]` from the reward, minus `missing_eos_penalty` for responses without the stop token."""
         columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), _name_the_update(self.state.global_step + 1):
             return compute_scores(
                 self.reward_model,
                 rollout,
@@ -260,10 +282,11 @@ class PPOTrainer(Trainer):
         args = self.args
         stats = defaultdict(list)
         self.model.train()
-        for _ in range(args.num_ppo_epochs):
+        for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(args.local_batch_size, device=advantages.device)
             for minibatch in order.split(args.local_mini_batch_size):
                 micro_batches = minibatch.split(args.per_device_train_batch_size)
+                minibatch_stats = defaultdict(list)
                 for i, micro in enumerate(micro_batches):
                     sync = i == len(micro_batches) - 1
                     with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
@@ -271,12 +294,37 @@ class PPOTrainer(Trainer):
                             rollout.select(micro), advantages[micro], returns[micro], len(micro_batches)
                         )
                     for key, value in micro_stats.items():
-                        stats[key].append(value)
+                        minibatch_stats[key].append(value)
+                if not self._losses_are_finite(minibatch_stats):
+                    self.optimizer.zero_grad()
+                    self._skip_nonfinite_update(epoch)
+                    return {key: torch.stack(values) for key, values in stats.items()}
+                for key, values in minibatch_stats.items():
+                    stats[key].extend(values)
                 if args.max_grad_norm:
                     self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad()
         return {key: torch.stack(values) for key, values in stats.items()}
+
+    def _losses_are_finite(self, minibatch_stats: dict) -> bool:
+        losses = torch.stack(minibatch_stats["loss/policy_avg"] + minibatch_stats["loss/value_avg"])
+        finite = torch.isfinite(losses).all().float().reshape(1)
+        return bool(self.accelerator.reduce(finite, reduction="sum").item() == self.accelerator.num_processes)
+
+    def _skip_nonfinite_update(self, epoch: int) -> None:
+        """Drop the rest of an update whose loss is not finite, or stop the run, as `skip_nonfinite_updates` says."""
+        update = self.state.global_step + 1
+        if not self.args.skip_nonfinite_updates:
+            last = ckpt.latest_checkpoint(self.args.output_dir)
+            raise FloatingPointError(
+                f"Non-finite PPO loss at update {update} (PPO epoch {epoch + 1}); no optimizer step was taken with it. "
+                f"Last complete checkpoint: {last or 'none'}. Lower `learning_rate`, check the reward scale, or set "
+                "`skip_nonfinite_updates=True` to skip such updates."
+            )
+        self._skipped_updates += 1
+        logger.warning(f"Non-finite PPO loss at update {update}: the rest of this update is skipped "
+                       f"({self._skipped_updates} skipped so far).")
 
     def _ppo_micro_step(self, episodes: Rollout, advantages, returns, num_micro_batches: int) -> dict:
         args = self.args
@@ -348,72 +396,49 @@ class PPOTrainer(Trainer):
             )
 
     # ------------------------------------------------------------------------------------- state and logging
-    def _begin_training(self) -> None:
+    def _begin_training(self, checkpoint: str | None) -> None:
         args = self.args
-        self.state.global_step = 0
+        self.state = TrainerState(stateful_callbacks=self._exportable_callbacks())
         self.state.episode = 0
+        self.data_position = (0, 0)
+        self._metrics_since_log = MetricsSinceLog()
+        self._policy_loss_sum = 0.0
+        self._skipped_updates = 0
+        self._last_checkpoint = None
+        if checkpoint is not None:
+            self._restore_checkpoint(checkpoint)
         self.state.init_training_references(self, args.num_total_batches, args.total_episodes / len(self.train_dataset), None)
         self.state.compute_steps(args, args.num_total_batches)
-        self._metrics_since_log = defaultdict(list)
-        self._start_time = time.time()
-        self._policy_loss_sum = 0.0
+        self._start_time, self._start_episode = time.time(), self.state.episode
         self.model.train()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
 
     def _end_update(self, rollout: Rollout, reward_stats: dict, update_stats: dict) -> None:
         """Gather this update's metrics, step the schedule, then log / save as the callbacks decide."""
-        metrics = self._update_metrics(rollout, reward_stats, update_stats)
-        for key, value in metrics.items():
-            self._metrics_since_log[key].append(value)
-        self._policy_loss_sum += metrics["loss/policy_avg"]
+        metrics = update_metrics(
+            rollout, reward_stats["kl"], reward_stats["non_score_rewards"], update_stats, self.accelerator,
+            self.processing_class.eos_token_id, self.stop_token_id,
+        )
+        metrics["eps"] = int((self.state.episode - self._start_episode) / max(time.time() - self._start_time, 1e-9))
+        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
+        metrics["episode"] = self.state.episode
+        if self.args.skip_nonfinite_updates:
+            metrics["loss/skipped_updates"] = self._skipped_updates
+        self._metrics_since_log.add(metrics)
+        self._policy_loss_sum += metrics.get("loss/policy_avg", 0.0)  # absent when the update was skipped
         self.state.global_step += 1
         self.state.epoch = self.state.episode / len(self.train_dataset)
         self.lr_scheduler.step()
         self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
         if self.control.should_log:
-            self.log(self._pop_logged_metrics())
+            self.log(self._metrics_since_log.pop())
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    @torch.no_grad()
-    def _update_metrics(self, rollout: Rollout, reward_stats: dict, update_stats: dict) -> dict[str, float]:
-        """The PPOv2 metrics of one update, averaged over all processes."""
-        mask = rollout.response_mask
-        non_score_reward = reward_stats["non_score_rewards"].sum(1).mean()
-        local = {
-            "objective/kl": reward_stats["kl"].sum(1).mean(),
-            "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
-            "objective/non_score_reward": non_score_reward,
-            "objective/rlhf_reward": non_score_reward + rollout.scores.mean(),
-            "objective/scores": rollout.scores.mean(),
-        }
-        local.update({key: values.float().mean() for key, values in update_stats.items()})
-        names = list(local)
-        gathered = self.accelerator.gather(torch.stack([local[n].float() for n in names]).unsqueeze(0))
-        metrics = dict(zip(names, gathered.mean(0).tolist()))
-        ratios = self.accelerator.gather(update_stats["val/ratio"].float())
-        metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
-        eos_id = self.processing_class.eos_token_id
-        num_eos = ((rollout.responses == eos_id) & mask).sum() if eos_id is not None else torch.tensor(0)
-        metrics["val/num_eos_tokens"] = self.accelerator.gather(num_eos.reshape(1).to(mask.device)).sum().item()
-        metrics["eps"] = int(self.state.episode / max(time.time() - self._start_time, 1e-9))
-        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
-        metrics["episode"] = self.state.episode
-        return metrics
-
-    def _pop_logged_metrics(self) -> dict[str, float]:
-        """Mean of each metric over the updates since the last log (latest value for eps, lr, episode)."""
-        logs = {
-            key: values[-1] if key in _LATEST_VALUE_METRICS else sum(values) / len(values)
-            for key, values in self._metrics_since_log.items()
-        }
-        self._metrics_since_log.clear()
-        return logs
-
     def _end_training(self) -> TrainOutput:
         if self._metrics_since_log:
-            self.log(self._pop_logged_metrics())
+            self.log(self._metrics_since_log.pop())
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
@@ -421,11 +446,125 @@ class PPOTrainer(Trainer):
         runtime = time.time() - self._start_time
         metrics = {
             "train_runtime": runtime,
-            "train_episodes_per_second": self.state.episode / max(runtime, 1e-9),
+            "train_episodes_per_second": (self.state.episode - self._start_episode) / max(runtime, 1e-9),
             "total_episodes": self.state.episode,
         }
         loss = self._policy_loss_sum / max(self.state.global_step, 1)
         return TrainOutput(self.state.global_step, loss, metrics)
+
+    # ------------------------------------------------------------------------------ checkpoints and resume
+    def _exportable_callbacks(self) -> list:
+        return [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]
+
+    def _resume_point(self) -> dict:
+        """Everything besides weights and optimizer that decides what happens next, as of now."""
+        return {
+            "rng": ckpt.capture_rng_state(),
+            "state": {
+                "episode": self.state.episode,
+                "data_position": list(self.data_position),
+                "metrics_since_log": self._metrics_since_log.state_dict(),
+                "policy_loss_sum": self._policy_loss_sum,
+                "skipped_updates": self._skipped_updates,
+                "identity": self._run_identity,
+            },
+        }
+
+    def _save_checkpoint(self, model, trial, resume_point: dict | None = None) -> str:
+        """Write `checkpoint-<update>` under a temporary name and rename it into place once complete.
+
+        `resume_point` (from `_resume_point`) replaces the current RNG states and counters; it is how a dropped
+        rollout is undone: the weights have not changed since the end of the previous update.
+        """
+        args = self.args
+        step = self.state.global_step
+        resume_point = resume_point if resume_point is not None else self._resume_point()
+        staging = os.path.join(args.output_dir, f"{ckpt.STAGING_PREFIX}{step}")
+        if self.accelerator.is_main_process:
+            ckpt.staging_folder(args.output_dir, step)  # clears what an interrupted save left behind
+        self.accelerator.wait_for_everyone()
+        self.save_model(staging, _internal_call=True)
+        if not args.save_only_model:
+            self._save_optimizer_and_scheduler(staging)
+            self._save_scaler(staging)
+        os.makedirs(staging, exist_ok=True)
+        torch.save(resume_point["rng"], ckpt.rng_file(staging, self.accelerator.process_index))
+        self.accelerator.wait_for_everyone()
+        final = os.path.join(args.output_dir, f"{ckpt.CHECKPOINT_PREFIX}{step}")
+        if self.accelerator.is_main_process:
+            self.state.stateful_callbacks = TrainerState(stateful_callbacks=self._exportable_callbacks()).stateful_callbacks
+            self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+            ckpt.write_json(os.path.join(staging, ckpt.PPO_STATE_NAME), resume_point["state"])  # written last
+            final = ckpt.publish_checkpoint(staging, args.output_dir, step)
+            ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, keep=final)
+        self.accelerator.wait_for_everyone()
+        self._last_checkpoint = (step, final)
+        logger.info(f"Checkpoint of update {step} written to {final}")
+        return final
+
+    def _checkpoint_to_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """The checkpoint folder to resume from (None for a fresh run), refusing to overwrite an earlier run."""
+        output_dir = self.args.output_dir
+        if resume_from_checkpoint in (None, False):
+            existing = ckpt.latest_checkpoint(output_dir)
+            if existing is not None:
+                raise ValueError(
+                    f"`output_dir` ({output_dir}) already holds checkpoints of a run (latest: {existing}). Resume it "
+                    "with `train(resume_from_checkpoint=True)` (`--resume_from_checkpoint latest`), or start a new "
+                    "run in another `output_dir`."
+                )
+            return None
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError("Resuming a PPO run under DeepSpeed is not supported yet.")
+        if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "latest"):
+            path = ckpt.latest_checkpoint(output_dir)
+            if path is None:
+                raise ValueError(f"`resume_from_checkpoint=True`: no complete checkpoint in `output_dir` ({output_dir}).")
+            return path
+        path = str(resume_from_checkpoint)
+        if not os.path.isfile(os.path.join(path, ckpt.PPO_STATE_NAME)):
+            raise ValueError(
+                f"`resume_from_checkpoint` ({path}) is not a complete trl_ppo checkpoint (no {ckpt.PPO_STATE_NAME})."
+            )
+        return path
+
+    def _restore_checkpoint(self, path: str) -> None:
+        with open(os.path.join(path, ckpt.PPO_STATE_NAME), encoding="utf-8") as handle:
+            saved = json.load(handle)
+        ckpt.check_resumable(saved["identity"], self._run_identity, path)
+        if not os.path.isfile(os.path.join(path, "optimizer.pt")):
+            raise ValueError(f"{path} has no optimizer state (written with `save_only_model=True`): it cannot be resumed.")
+        wrapper = self.accelerator.unwrap_model(self.model)
+        ckpt.load_weights_into(wrapper.policy, path)
+        ckpt.load_weights_into(wrapper.value_model, os.path.join(path, "value_model"))
+        self._load_optimizer_and_scheduler(path)
+        self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+        self._load_callback_state()
+        self.state.episode = saved["episode"]
+        self.data_position = tuple(saved["data_position"])
+        self._metrics_since_log.load_state_dict(saved["metrics_since_log"])
+        self._policy_loss_sum = saved["policy_loss_sum"]
+        self._skipped_updates = saved["skipped_updates"]
+        self._last_checkpoint = (self.state.global_step, path)
+        ckpt.load_rng_state(path, self.accelerator.process_index)
+        logger.warning(f"Resuming from {path}: update {self.state.global_step}, episode {self.state.episode}.")
+
+    def _stop_requested(self, preemption: "ckpt.PreemptionHandler") -> bool:
+        """Whether any process got SIGTERM/SIGINT (all processes must stop at the same point)."""
+        flag = torch.tensor([1.0 if preemption.requested else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+
+    def _exit_after_checkpoint(self, signal_name: str | None, resume_point: dict | None) -> None:
+        step = self.state.global_step
+        if self._last_checkpoint is not None and self._last_checkpoint[0] == step:
+            path = self._last_checkpoint[1]
+        else:
+            path = self._save_checkpoint(self.model, trial=None, resume_point=resume_point)
+        logger.warning(
+            f"Stopped by {signal_name or 'a signal'} after update {step} of {self.args.num_total_batches}; "
+            f"checkpoint: {path}. Resume with `train(resume_from_checkpoint=True)`."
+        )
+        raise SystemExit(0)
 
     # ----------------------------------------------------------------------------------------- completions
     @torch.no_grad()
@@ -489,6 +628,15 @@ class PPOTrainer(Trainer):
             state_dict = {k[len("value_model.") :]: v for k, v in full.items() if k.startswith("value_model.")}
         if self.args.should_save:
             value_model.save_pretrained(output_dir, state_dict=state_dict)
+
+
+@contextlib.contextmanager
+def _name_the_update(update: int):
+    """Prefix a reward error with the update it happened in."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"Update {update}: {error}") from error
 
 
 __all__ = ["PPOTrainer"]

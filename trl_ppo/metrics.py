@@ -1,0 +1,77 @@
+"""The PPOv2 metrics of an update, gathered over processes, and their averaging between two logs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .rollout import Rollout
+
+# Reported as of the latest update; every other metric is averaged over the updates since the last log.
+LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates")
+
+
+@torch.no_grad()
+def update_metrics(
+    rollout: Rollout,
+    kl: torch.Tensor,
+    non_score_rewards: torch.Tensor,
+    update_stats: dict[str, torch.Tensor],
+    accelerator,
+    eos_token_id: int | None,
+    stop_token_id: int | None,
+) -> dict[str, float]:
+    """PPOv2's metrics for one update, averaged (counts: summed) over all processes.
+
+    kl, non_score_rewards `[B, T]` (zero on padding); update_stats maps a metric name to its values per
+    micro-batch `[n]`.
+    """
+    mask = rollout.response_mask
+    non_score_reward = non_score_rewards.sum(1).mean()
+    local = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
+        "objective/non_score_reward": non_score_reward,
+        "objective/rlhf_reward": non_score_reward + rollout.scores.mean(),
+        "objective/scores": rollout.scores.mean(),
+    }
+    if stop_token_id is not None:  # how often responses run to `response_length` without stopping
+        local["val/missing_stop_token_frac"] = (~((rollout.responses == stop_token_id) & mask).any(1)).float().mean()
+    local.update({key: values.float().mean() for key, values in update_stats.items()})
+    names = list(local)
+    gathered = accelerator.gather(torch.stack([local[n].float() for n in names]).unsqueeze(0))
+    metrics = dict(zip(names, gathered.mean(0).tolist()))
+    ratios = accelerator.gather(update_stats.get("val/ratio", rollout.scores.new_zeros(0)).float())
+    metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
+    num_eos = ((rollout.responses == eos_token_id) & mask).sum() if eos_token_id is not None else mask.new_zeros(())
+    metrics["val/num_eos_tokens"] = accelerator.gather(num_eos.reshape(1).long()).sum().item()
+    return metrics
+
+
+class MetricsSinceLog:
+    """Collects each update's metrics until the next log, then reports their means."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = defaultdict(list)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.values[key].append(value)
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    def pop(self) -> dict[str, float]:
+        logs = {
+            key: values[-1] if key in LATEST_VALUE_METRICS else sum(values) / len(values)
+            for key, values in self.values.items()
+        }
+        self.values.clear()
+        return logs
+
+    def state_dict(self) -> dict[str, list[float]]:
+        return {key: list(values) for key, values in self.values.items()}
+
+    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+        self.values = defaultdict(list, {key: list(values) for key, values in state.items()})
