@@ -161,7 +161,11 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str)
 
 # --------------------------------------------------------------------------------------------- weights
 def load_weights_into(model: torch.nn.Module, folder: str) -> None:
-    """Load weights saved by `save_pretrained` (a PEFT adapter, one safetensors file or shards) into `model`."""
+    """Load weights written by `save_pretrained` (a PEFT adapter, or a full model) into `model` in place.
+
+    A full model is read back through its class's `from_pretrained`, which knows how the saved names map onto
+    the in-memory ones (they differ for some architectures); this holds a second copy in CPU memory for a moment.
+    """
     from safetensors.torch import load_file
 
     adapter = os.path.join(folder, "adapter_model.safetensors")
@@ -170,31 +174,10 @@ def load_weights_into(model: torch.nn.Module, folder: str) -> None:
 
         set_peft_model_state_dict(model, load_file(adapter))
         return
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as handle:
-            files = sorted(set(json.load(handle)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    state_dict = {}
-    for name in files:
-        state_dict.update(load_file(os.path.join(folder, name)))
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    # `save_pretrained` leaves out weights tied to another (e.g. an LM head tied to the embeddings).
-    tied = {name for name in missing if _is_tied(model, name, state_dict)}
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(
-            f"The weights in {folder} do not fit {type(model).__name__}: missing {sorted(set(missing) - tied)}, "
-            f"unexpected {sorted(unexpected)}."
-        )
-
-
-def _is_tied(model: torch.nn.Module, name: str, loaded: dict) -> bool:
-    parameters = dict(model.named_parameters(remove_duplicate=False))
-    if name not in parameters:
-        return False
-    pointer = parameters[name].data_ptr()
-    return any(other in loaded and parameters[other].data_ptr() == pointer for other in parameters if other != name)
+    dtype = next(model.parameters()).dtype
+    saved = type(model).from_pretrained(folder, dtype=dtype)
+    model.load_state_dict(saved.state_dict(), strict=True)
+    del saved
 
 
 # ------------------------------------------------------------------------------------------- preemption

@@ -119,7 +119,7 @@ def train_and_save(training_args, model_args, tokenizer, policy, ref_policy, rew
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.generate_completions()
     trainer.save_model(training_args.output_dir)
     if trainer.is_world_process_zero():

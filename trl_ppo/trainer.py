@@ -178,9 +178,11 @@ class PPOTrainer(Trainer):
             len(self.train_dataset), self.args.local_batch_size, self.accelerator.num_processes,
             self.accelerator.process_index, self.args.data_seed if self.args.data_seed is not None else self.args.seed,
         )
+        # Its own generator: starting an iterator draws a seed, which must not consume the global RNG (a resumed
+        # run starts its iterator at another moment than the run it continues).
         return DataLoader(
             self.train_dataset, batch_sampler=self._sampler, collate_fn=self.data_collator,
-            num_workers=self.args.dataloader_num_workers,
+            num_workers=self.args.dataloader_num_workers, generator=torch.Generator().manual_seed(self._sampler.seed),
         )
 
     def _batches_forever(self):

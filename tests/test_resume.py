@@ -1,0 +1,192 @@
+"""Never lose a run: bitwise-exact resume, checkpoints that are never half-written, and preemption by SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_ppo import PPOTrainer
+from trl_ppo.checkpoint import PPO_STATE_NAME, STAGING_PREFIX
+
+ROOT = Path(__file__).resolve().parent.parent
+TIME_KEYS = ("eps",)  # wall-clock dependent, the only logged values allowed to differ
+
+
+def make(make_config, tokenizer, load_models, prompt_dataset, callbacks=None, **overrides):
+    policy, value_model, _ = load_models("llama")
+    values = dict(total_episodes=6 * 8, save_strategy="steps", save_steps=2, logging_steps=3, stop_token="eos",
+                  num_ppo_epochs=2, num_mini_batches=2, response_length=8)
+    values.update(overrides)
+
+    def reward(prompts, completions, **columns):
+        return [float(c.split().count("good")) - 0.1 * len(c.split()) for c in completions]
+
+    return PPOTrainer(args=make_config(**values), processing_class=tokenizer, model=policy, ref_model=None,
+                      reward_model=reward, train_dataset=prompt_dataset, value_model=value_model,
+                      callbacks=callbacks)
+
+
+def weights(trainer):
+    wrapper = trainer.accelerator.unwrap_model(trainer.model)
+    return {**{f"policy.{k}": v.clone() for k, v in wrapper.policy.state_dict().items()},
+            **{f"value.{k}": v.clone() for k, v in wrapper.value_model.state_dict().items()}}
+
+
+def logs_without_time(trainer):
+    return [{k: v for k, v in entry.items() if k not in TIME_KEYS} for entry in trainer.state.log_history]
+
+
+def test_resume_is_bitwise_identical(make_config, tokenizer, load_models, prompt_dataset, tmp_path):
+    """6 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit. The
+    checkpoint falls between two logs (logging_steps=3), so metrics not yet logged must survive it too."""
+    straight = make(make_config, tokenizer, load_models, prompt_dataset)
+    straight.train()
+
+    first = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=str(tmp_path / "b"),
+                 total_episodes=6 * 8)
+    first.args.num_total_batches = 2  # stop after update 2 as if killed, with checkpoint-2 written
+    first.train()
+    assert (tmp_path / "b" / "checkpoint-2" / PPO_STATE_NAME).exists()
+
+    resumed = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=str(tmp_path / "b"))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6 and resumed.state.episode == 48
+    a, b = weights(straight), weights(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert logs_without_time(straight) == logs_without_time(resumed)
+    assert len([e for e in resumed.state.log_history if "objective/kl" in e]) == 2  # updates 3 and 6
+
+
+def test_resume_with_another_batch_size_or_model_names_the_difference(
+    make_config, tokenizer, load_models, prompt_dataset, tmp_path
+):
+    make(make_config, tokenizer, load_models, prompt_dataset, total_episodes=16).train()
+    other_batch = make(make_config, tokenizer, load_models, prompt_dataset, per_device_train_batch_size=2,
+                       gradient_accumulation_steps=4, total_episodes=16)
+    with pytest.raises(ValueError, match=r"per_device_train_batch_size`: checkpoint has 4, this run has 2"):
+        other_batch.train(resume_from_checkpoint=True)
+    policy, value_model, _ = load_models("gpt_neox")  # another model family
+    other_model = PPOTrainer(args=make_config(total_episodes=16, save_strategy="steps", save_steps=2,
+                                              num_mini_batches=2, stop_token="eos", response_length=8,
+                                              num_ppo_epochs=2, logging_steps=3),
+                             processing_class=tokenizer, model=policy, ref_model=None,
+                             reward_model=lambda prompts, completions, **_: [0.0] * len(completions),
+                             train_dataset=prompt_dataset, value_model=value_model)
+    with pytest.raises(ValueError, match="policy_fingerprint"):
+        other_model.train(resume_from_checkpoint=True)
+
+
+def test_a_new_run_does_not_overwrite_checkpoints(make_config, tokenizer, load_models, prompt_dataset):
+    make(make_config, tokenizer, load_models, prompt_dataset, total_episodes=16).train()
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        make(make_config, tokenizer, load_models, prompt_dataset, total_episodes=16).train()
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_usable(
+    make_config, tokenizer, load_models, prompt_dataset, tmp_path, monkeypatch
+):
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=1, total_episodes=3 * 8,
+                   save_total_limit=1)
+    real_save = PPOTrainer._save_optimizer_and_scheduler
+    calls = []
+
+    def failing_save(self, output_dir):
+        calls.append(output_dir)
+        if len(calls) == 2:  # the checkpoint of update 2 dies half-way
+            raise OSError("disk full (simulated)")
+        return real_save(self, output_dir)
+
+    monkeypatch.setattr(PPOTrainer, "_save_optimizer_and_scheduler", failing_save)
+    with pytest.raises(OSError, match="simulated"):
+        trainer.train()
+    out = Path(trainer.args.output_dir)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert (out / f"{STAGING_PREFIX}2").exists()  # the half-written one never got a checkpoint name
+    monkeypatch.setattr(PPOTrainer, "_save_optimizer_and_scheduler", real_save)
+
+    resumed = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=1, total_episodes=3 * 8,
+                   save_total_limit=1)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    # save_total_limit=1 keeps only the newest complete checkpoint; the staging left-over is gone.
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3"]
+
+
+def _run_script(output_dir, *extra, signal_after_update=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(ROOT / "tests" / "scripts" / "preemptible_run.py"), str(output_dir), *extra]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    for line in process.stdout:
+        lines.append(line.strip())
+        if signal_after_update is not None and line.strip() == f"UPDATE {signal_after_update}":
+            process.send_signal(signal.SIGTERM)
+    stderr = process.stderr.read()
+    process.wait(timeout=300)
+    return process.returncode, lines, stderr
+
+
+def test_sigterm_checkpoints_exits_zero_and_resumes_to_the_same_result(tmp_path):
+    code, straight, err = _run_script(tmp_path / "straight")
+    assert code == 0, err[-3000:]
+
+    code, first, err = _run_script(tmp_path / "preempted", signal_after_update=4)
+    assert code == 0, err[-3000:]
+    assert "POLICY" not in " ".join(first), "the run should have stopped early"
+    stopped_at = max(int(line.split()[1]) for line in first if line.startswith("UPDATE"))
+    assert 4 <= stopped_at < 8
+    assert f"checkpoint-{stopped_at}" in err and "Stopped by SIGTERM" in err
+    assert json.loads((tmp_path / "preempted" / f"checkpoint-{stopped_at}" / PPO_STATE_NAME).read_text())
+
+    code, resumed, err = _run_script(tmp_path / "preempted", "resume")
+    assert code == 0, err[-3000:]
+    pick = lambda lines, tag: [line for line in lines if line.startswith(tag)]  # noqa: E731
+    for tag in ("POLICY", "VALUE", "SCORES"):
+        assert pick(straight, tag) == pick(resumed, tag), tag
+
+
+@pytest.mark.parametrize("moment", ["during_rollout", "after_update"])
+def test_signal_drops_an_unstarted_update_or_finishes_a_done_one(
+    moment, make_config, tokenizer, load_models, prompt_dataset, tmp_path
+):
+    """SIGINT while update 3 is being scored: update 3 is dropped and the checkpoint is that of update 2.
+    SIGINT right after update 3: the checkpoint is that of update 3. Either way the resumed run ends where an
+    uninterrupted one does."""
+    from transformers import TrainerCallback
+
+    straight = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=100)
+    straight.train()
+
+    class SignalAfterUpdate3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if moment == "after_update" and state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=100,
+                   output_dir=str(tmp_path / "run"), callbacks=[SignalAfterUpdate3()])
+    original_score = trainer.score
+
+    def score(rollout, batch):
+        if moment == "during_rollout" and trainer.state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original_score(rollout, batch)
+
+    trainer.score = score
+    with pytest.raises(SystemExit) as stopped:
+        trainer.train()
+    assert stopped.value.code == 0
+    expected_step = 2 if moment == "during_rollout" else 3
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == [f"checkpoint-{expected_step}"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+    resumed = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=100,
+                   output_dir=str(tmp_path / "run"))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / f"checkpoint-{expected_step}"))
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert logs_without_time(straight) == logs_without_time(resumed)
