@@ -45,21 +45,31 @@ class UpdateTimer(TrainerCallback):
 def build_models(shape: str, tokenizer, dtype):
     hidden, layers, heads, vocab = SHAPES[shape]
     config = GPTNeoXConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=4 * hidden, max_position_embeddings=2048, num_labels=1,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=2048,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
     # The reference is the trainer's frozen copy of the policy (ref_model=None), as in a real run.
-    return (GPTNeoXForCausalLM(config).to(dtype), GPTNeoXForSequenceClassification(config).to(dtype),
-            GPTNeoXForSequenceClassification(config).to(dtype))
+    return (
+        GPTNeoXForCausalLM(config).to(dtype),
+        GPTNeoXForSequenceClassification(config).to(dtype),
+        GPTNeoXForSequenceClassification(config).to(dtype),
+    )
 
 
 def random_prompts(vocab: int, count: int, seed: int = 0) -> Dataset:
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(32, 65, (count,), generator=generator)
-    return Dataset.from_dict({"input_ids": [torch.randint(3, vocab, (int(n),), generator=generator).tolist()
-                                            for n in lengths]})
+    return Dataset.from_dict(
+        {"input_ids": [torch.randint(3, vocab, (int(n),), generator=generator).tolist() for n in lengths]}
+    )
 
 
 def main() -> None:
@@ -77,16 +87,30 @@ def main() -> None:
     policy, value_model, reward_model = build_models(cli.shape, tokenizer, torch.float32)
     on_gpu = torch.cuda.is_available()
     config = PPOConfig(
-        output_dir=cli.output_dir, per_device_train_batch_size=cli.per_device_train_batch_size,
-        gradient_accumulation_steps=cli.gradient_accumulation_steps, total_episodes=batch * (cli.updates + 1),
-        num_ppo_epochs=4, response_length=53, local_rollout_forward_batch_size=batch, num_sample_generations=0,
-        save_strategy="no", report_to="none", logging_steps=1, bf16=cli.precision == "bf16", use_cpu=not on_gpu,
+        output_dir=cli.output_dir,
+        per_device_train_batch_size=cli.per_device_train_batch_size,
+        gradient_accumulation_steps=cli.gradient_accumulation_steps,
+        total_episodes=batch * (cli.updates + 1),
+        num_ppo_epochs=4,
+        response_length=53,
+        local_rollout_forward_batch_size=batch,
+        num_sample_generations=0,
+        save_strategy="no",
+        report_to="none",
+        logging_steps=1,
+        bf16=cli.precision == "bf16",
+        use_cpu=not on_gpu,
         disable_tqdm=True,
     )
     timer = UpdateTimer()
     trainer = PPOTrainer(
-        args=config, processing_class=tokenizer, model=policy, ref_model=None, reward_model=reward_model,
-        value_model=value_model, train_dataset=random_prompts(SHAPES[cli.shape][3], batch * 2),
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward_model,
+        value_model=value_model,
+        train_dataset=random_prompts(SHAPES[cli.shape][3], batch * 2),
         callbacks=[timer],
     )
     if on_gpu:
@@ -102,7 +126,8 @@ def main() -> None:
         "seconds_per_update": round(seconds / len(steady), 3),
         "peak_memory_gib": round(
             (torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            / 2**30, 2,
+            / 2**30,
+            2,
         ),
         "peak_memory_kind": "cuda_max_allocated" if on_gpu else "max_rss",
         "torch": torch.__version__,

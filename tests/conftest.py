@@ -24,9 +24,16 @@ def tiny_config(arch: str, tokenizer, dropout: float = 0.0):
     from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config
 
     common = dict(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, num_labels=1,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        num_labels=1,
     )
     if arch == "gpt_neox":
         return GPTNeoXConfig(**common, attention_dropout=dropout, hidden_dropout=dropout)
@@ -90,10 +97,21 @@ def make_config(tmp_path):
 
     def make(**overrides):
         values = dict(
-            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-            num_ppo_epochs=2, num_mini_batches=1, total_episodes=16, response_length=6,
-            local_rollout_forward_batch_size=4, learning_rate=1e-3, num_sample_generations=0,
-            logging_steps=1, save_strategy="no", report_to="none", seed=3, per_device_eval_batch_size=4,
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            num_ppo_epochs=2,
+            num_mini_batches=1,
+            total_episodes=16,
+            response_length=6,
+            local_rollout_forward_batch_size=4,
+            learning_rate=1e-3,
+            num_sample_generations=0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            seed=3,
+            per_device_eval_batch_size=4,
         )
         values.update(overrides)
         return PPOConfig(**values)

@@ -14,10 +14,28 @@ from trl_ppo.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_RUN = [
-    "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--total_episodes", "16",
-    "--response_length", "6", "--num_ppo_epochs", "1", "--local_rollout_forward_batch_size", "4",
-    "--report_to", "none", "--save_strategy", "no", "--num_sample_generations", "1",
-    "--per_device_eval_batch_size", "4", "--logging_steps", "1",
+    "--per_device_train_batch_size",
+    "4",
+    "--gradient_accumulation_steps",
+    "2",
+    "--total_episodes",
+    "16",
+    "--response_length",
+    "6",
+    "--num_ppo_epochs",
+    "1",
+    "--local_rollout_forward_batch_size",
+    "4",
+    "--report_to",
+    "none",
+    "--save_strategy",
+    "no",
+    "--num_sample_generations",
+    "1",
+    "--per_device_eval_batch_size",
+    "4",
+    "--logging_steps",
+    "1",
 ]
 
 
@@ -25,15 +43,17 @@ SMALL_RUN = [
 def prompts_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     words = "the movie was good my day felt long our trip seemed fun".split()
-    path.write_text("".join(json.dumps({"prompt": " ".join(words[i % 9 : i % 9 + 2 + i % 3])}) + "\n"
-                            for i in range(40)))
+    path.write_text(
+        "".join(json.dumps({"prompt": " ".join(words[i % 9 : i % 9 + 2 + i % 3])}) + "\n" for i in range(40))
+    )
     return str(path)
 
 
 def run(args, **kwargs):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
-                            **kwargs)
+    result = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, **kwargs
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result.stdout + result.stderr
 
@@ -48,18 +68,47 @@ def test_default_job_trains_and_saves(tmp_path, capsys):
 @pytest.mark.parametrize("script", ["examples/scripts/ppo.py", "examples/scripts/ppo_tldr.py"])
 def test_example_scripts_on_local_models_and_data(script, model_paths, prompts_file, tmp_path):
     policy_path, value_path = model_paths["llama"]
-    output = run([script, "--model_name_or_path", policy_path, "--sft_model_path", policy_path,
-                  "--reward_model_path", value_path, "--dataset_name", prompts_file,
-                  "--output_dir", str(tmp_path / "out"), *SMALL_RUN])
+    output = run(
+        [
+            script,
+            "--model_name_or_path",
+            policy_path,
+            "--sft_model_path",
+            policy_path,
+            "--reward_model_path",
+            value_path,
+            "--dataset_name",
+            prompts_file,
+            "--output_dir",
+            str(tmp_path / "out"),
+            *SMALL_RUN,
+        ]
+    )
     assert "objective/scores" in output and "Completions" in output
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
 
 
 def test_trl_style_script_runs_with_only_the_import_changed(model_paths, prompts_file, tmp_path):
     policy_path, value_path = model_paths["gpt_neox"]
-    output = run(["tests/scripts/trl_style_ppo.py", "--model_name_or_path", policy_path,
-                  "--sft_model_path", policy_path, "--reward_model_path", value_path,
-                  "--dataset_name", prompts_file, "--output_dir", str(tmp_path / "out"),
-                  "--missing_eos_penalty", "1.0", "--stop_token", "eos", *SMALL_RUN])
+    output = run(
+        [
+            "tests/scripts/trl_style_ppo.py",
+            "--model_name_or_path",
+            policy_path,
+            "--sft_model_path",
+            policy_path,
+            "--reward_model_path",
+            value_path,
+            "--dataset_name",
+            prompts_file,
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--missing_eos_penalty",
+            "1.0",
+            "--stop_token",
+            "eos",
+            *SMALL_RUN,
+        ]
+    )
     assert "objective/scores" in output
     assert (tmp_path / "out" / "model.safetensors").exists()

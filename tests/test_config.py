@@ -13,13 +13,38 @@ from trl_ppo import ModelConfig, OnPolicyConfig, PPOConfig, PPOTrainer, ScriptAr
 from trl_ppo.config import compute_batch_sizes, validate_config
 
 TRL_DEFAULTS = dict(
-    exp_name="ppo_config", model_adapter_name=None, ref_adapter_name=None, num_ppo_epochs=4, whiten_rewards=False,
-    kl_coef=0.05, kl_estimator="k1", cliprange=0.2, vf_coef=0.1, cliprange_value=0.2, gamma=1.0, lam=0.95,
-    ds3_gather_for_generation=True, run_name=None, dataset_num_proc=None, num_mini_batches=1, total_episodes=None,
-    local_rollout_forward_batch_size=64, num_sample_generations=10, response_length=53, stop_token=None,
-    stop_token_id=None, temperature=0.7, missing_eos_penalty=None, learning_rate=3e-6, world_size=None,
-    num_total_batches=None, micro_batch_size=None, local_batch_size=None, batch_size=None,
-    local_mini_batch_size=None, mini_batch_size=None,
+    exp_name="ppo_config",
+    model_adapter_name=None,
+    ref_adapter_name=None,
+    num_ppo_epochs=4,
+    whiten_rewards=False,
+    kl_coef=0.05,
+    kl_estimator="k1",
+    cliprange=0.2,
+    vf_coef=0.1,
+    cliprange_value=0.2,
+    gamma=1.0,
+    lam=0.95,
+    ds3_gather_for_generation=True,
+    run_name=None,
+    dataset_num_proc=None,
+    num_mini_batches=1,
+    total_episodes=None,
+    local_rollout_forward_batch_size=64,
+    num_sample_generations=10,
+    response_length=53,
+    stop_token=None,
+    stop_token_id=None,
+    temperature=0.7,
+    missing_eos_penalty=None,
+    learning_rate=3e-6,
+    world_size=None,
+    num_total_batches=None,
+    micro_batch_size=None,
+    local_batch_size=None,
+    batch_size=None,
+    local_mini_batch_size=None,
+    mini_batch_size=None,
 )
 
 
@@ -33,8 +58,11 @@ def test_fields_keep_trl_names_and_defaults(tmp_path):
 
 @pytest.mark.parametrize("cls", [PPOConfig, ScriptArguments, ModelConfig])
 def test_every_own_field_has_help(cls):
-    own = [f for f in dataclasses.fields(cls) if cls is not PPOConfig or f.name not in TrainingArguments.__dataclass_fields__
-           or f.name == "learning_rate"]
+    own = [
+        f
+        for f in dataclasses.fields(cls)
+        if cls is not PPOConfig or f.name not in TrainingArguments.__dataclass_fields__ or f.name == "learning_rate"
+    ]
     assert own
     for f in own:
         assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
@@ -50,17 +78,37 @@ def test_cli_help_documents_ppo_options():
 
 def test_parser_reads_trl_style_flags(tmp_path):
     parser = HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig))
-    script_args, config, model_args = parser.parse_args_into_dataclasses(args=[
-        "--output_dir", str(tmp_path), "--dataset_name", "x.jsonl", "--kl_estimator", "k3", "--stop_token", "eos",
-        "--missing_eos_penalty", "1.0", "--model_name_or_path", "m", "--use_peft", "--lora_r", "8",
-    ])
+    script_args, config, model_args = parser.parse_args_into_dataclasses(
+        args=[
+            "--output_dir",
+            str(tmp_path),
+            "--dataset_name",
+            "x.jsonl",
+            "--kl_estimator",
+            "k3",
+            "--stop_token",
+            "eos",
+            "--missing_eos_penalty",
+            "1.0",
+            "--model_name_or_path",
+            "m",
+            "--use_peft",
+            "--lora_r",
+            "8",
+        ]
+    )
     assert (config.kl_estimator, config.stop_token, config.missing_eos_penalty) == ("k3", "eos", 1.0)
     assert script_args.dataset_name == "x.jsonl" and model_args.use_peft and model_args.lora_r == 8
 
 
 def test_derived_batch_sizes(tmp_path):
-    config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=4,
-                       num_mini_batches=2, total_episodes=100)
+    config = PPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        num_mini_batches=2,
+        total_episodes=100,
+    )
     compute_batch_sizes(config, world_size=2, train_dataset_len=1000)
     assert (config.local_batch_size, config.batch_size, config.micro_batch_size) == (16, 32, 8)
     assert (config.local_mini_batch_size, config.mini_batch_size) == (8, 16)
@@ -71,8 +119,9 @@ def test_derived_batch_sizes(tmp_path):
 
 
 def test_inexact_division_names_both_numbers(tmp_path):
-    config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3,
-                       num_mini_batches=2)
+    config = PPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2
+    )
     with pytest.raises(ValueError, match=r"local_mini_batch_size` \(6\).*per_device_train_batch_size` \(4\)"):
         compute_batch_sizes(config, world_size=1, train_dataset_len=100)
     config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_mini_batches=2)
@@ -80,15 +129,18 @@ def test_inexact_division_names_both_numbers(tmp_path):
         compute_batch_sizes(config, world_size=1, train_dataset_len=100)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(response_length=0), "response_length"),
-    (dict(temperature=0.0), "temperature"),
-    (dict(stop_token="</s>"), "stop_token"),
-    (dict(stop_token="eos", stop_token_id=3), "both set"),
-    (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
-    (dict(kl_estimator="k2"), "kl_estimator"),
-    (dict(lam=1.5), "lam"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(response_length=0), "response_length"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(stop_token="</s>"), "stop_token"),
+        (dict(stop_token="eos", stop_token_id=3), "both set"),
+        (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
+        (dict(kl_estimator="k2"), "kl_estimator"),
+        (dict(lam=1.5), "lam"),
+    ],
+)
 def test_bad_values_are_rejected(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         validate_config(PPOConfig(output_dir=str(tmp_path), **overrides))
@@ -98,18 +150,25 @@ def test_trainer_rejects_bad_inputs_before_training(make_config, tokenizer, load
     policy, value_model, reward_model = load_models()
     common = dict(model=policy, ref_model=None, reward_model=reward_model, value_model=value_model)
     with pytest.raises(ValueError, match="neither an `input_ids` nor a `prompt`"):
-        PPOTrainer(args=make_config(), processing_class=tokenizer, train_dataset=Dataset.from_dict({"text": ["a"]}),
-                   **common)
+        PPOTrainer(
+            args=make_config(), processing_class=tokenizer, train_dataset=Dataset.from_dict({"text": ["a"]}), **common
+        )
     with pytest.raises(ValueError, match="empty"):
-        PPOTrainer(args=make_config(), processing_class=tokenizer,
-                   train_dataset=Dataset.from_dict({"prompt": []}), **common)
+        PPOTrainer(
+            args=make_config(), processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": []}), **common
+        )
     with pytest.raises(ValueError, match="fewer than one batch"):
-        PPOTrainer(args=make_config(), processing_class=tokenizer, train_dataset=prompt_dataset.select(range(5)),
-                   **common)
+        PPOTrainer(
+            args=make_config(), processing_class=tokenizer, train_dataset=prompt_dataset.select(range(5)), **common
+        )
     no_pad = copy.deepcopy(tokenizer)
     no_pad.pad_token = None
     with pytest.raises(ValueError, match="no pad token"):
         PPOTrainer(args=make_config(), processing_class=no_pad, train_dataset=prompt_dataset, **common)
     with pytest.raises(TypeError, match="reward_model"):
-        PPOTrainer(args=make_config(), processing_class=tokenizer, train_dataset=prompt_dataset,
-                   **{**common, "reward_model": "not a model"})
+        PPOTrainer(
+            args=make_config(),
+            processing_class=tokenizer,
+            train_dataset=prompt_dataset,
+            **{**common, "reward_model": "not a model"},
+        )

@@ -64,8 +64,15 @@ def test_pad_token_missing_says_how_to_add_one(make_config, tokenizer, load_mode
     no_pad = copy.deepcopy(tokenizer)
     no_pad.pad_token = None
     with pytest.raises(ValueError, match=r"no pad token.*add_special_tokens"):
-        PPOTrainer(args=make_config(), processing_class=no_pad, model=load_models()[0], ref_model=None,
-                   reward_model=load_models()[2], value_model=load_models()[1], train_dataset=prompt_dataset)
+        PPOTrainer(
+            args=make_config(),
+            processing_class=no_pad,
+            model=load_models()[0],
+            ref_model=None,
+            reward_model=load_models()[2],
+            value_model=load_models()[1],
+            train_dataset=prompt_dataset,
+        )
 
 
 def nan_reward(prompts, completions, **columns):
@@ -80,13 +87,17 @@ def none_reward(prompts, completions, **columns):
     return [None] * len(completions)
 
 
-@pytest.mark.parametrize("reward, message", [
-    (nan_reward, r"Update 1: Reward 'nan_reward' returned 1 non-finite score"),
-    (short_reward, r"Update 1: Reward function 'short_reward' returned 1 scores for 8 completions"),
-    (none_reward, r"Update 1: Reward function 'none_reward' returned None"),
-])
-def test_bad_reward_values_name_the_reward_and_the_update(reward, message, make_config, tokenizer, load_models,
-                                                          prompt_dataset):
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        (nan_reward, r"Update 1: Reward 'nan_reward' returned 1 non-finite score"),
+        (short_reward, r"Update 1: Reward function 'short_reward' returned 1 scores for 8 completions"),
+        (none_reward, r"Update 1: Reward function 'none_reward' returned None"),
+    ],
+)
+def test_bad_reward_values_name_the_reward_and_the_update(
+    reward, message, make_config, tokenizer, load_models, prompt_dataset
+):
     trainer = build(make_config, tokenizer, load_models, prompt_dataset, reward_model=reward)
     with pytest.raises(ValueError, match=message):
         trainer.train()
@@ -98,8 +109,7 @@ def _poison_training_values(trainer):
     return head.register_forward_hook(lambda m, i, out: out * float("nan") if torch.is_grad_enabled() else out)
 
 
-def test_nonfinite_loss_stops_with_the_update_and_last_checkpoint(make_config, tokenizer, load_models,
-                                                                  prompt_dataset):
+def test_nonfinite_loss_stops_with_the_update_and_last_checkpoint(make_config, tokenizer, load_models, prompt_dataset):
     config = make_config(total_episodes=16, save_strategy="steps", save_steps=1)
     trainer = build(make_config, tokenizer, load_models, prompt_dataset, config)
     state = {"hook": None}
@@ -117,8 +127,9 @@ def test_nonfinite_loss_stops_with_the_update_and_last_checkpoint(make_config, t
 
 
 def test_skip_nonfinite_updates_counts_the_skips(make_config, tokenizer, load_models, prompt_dataset):
-    trainer = build(make_config, tokenizer, load_models, prompt_dataset,
-                    make_config(total_episodes=16, skip_nonfinite_updates=True))
+    trainer = build(
+        make_config, tokenizer, load_models, prompt_dataset, make_config(total_episodes=16, skip_nonfinite_updates=True)
+    )
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     _poison_training_values(trainer)
@@ -128,8 +139,13 @@ def test_skip_nonfinite_updates_counts_the_skips(make_config, tokenizer, load_mo
 
 
 def test_responses_that_never_stop_are_reported(make_config, tokenizer, load_models, prompt_dataset):
-    trainer = build(make_config, tokenizer, load_models, prompt_dataset,
-                    make_config(total_episodes=8, stop_token="eos", response_length=2))
+    trainer = build(
+        make_config,
+        tokenizer,
+        load_models,
+        prompt_dataset,
+        make_config(total_episodes=8, stop_token="eos", response_length=2),
+    )
     trainer.train()
     fraction = trainer.state.log_history[-1]["val/missing_stop_token_frac"]
     assert 0.5 < fraction <= 1.0  # two tokens rarely reach EOS

@@ -11,8 +11,9 @@ T, F = True, False
 
 
 def close(actual, expected, tol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32),
-                               torch.as_tensor(expected, dtype=torch.float32), atol=tol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32), torch.as_tensor(expected, dtype=torch.float32), atol=tol, rtol=0
+    )
 
 
 def test_masked_mean_var_whiten():
@@ -86,8 +87,9 @@ def test_clipped_policy_loss():
 
 def test_policy_loss_ignores_padding_and_its_gradient_points_the_right_way():
     new_logprobs = torch.tensor([-1.0, ppo.INVALID_LOGPROB], requires_grad=True)
-    loss, stats = ppo.policy_loss(new_logprobs, torch.tensor([-1.0, -3.0]), torch.tensor([2.0, 100.0]),
-                                  torch.tensor([T, F]), 0.2)
+    loss, stats = ppo.policy_loss(
+        new_logprobs, torch.tensor([-1.0, -3.0]), torch.tensor([2.0, 100.0]), torch.tensor([T, F]), 0.2
+    )
     close(loss, -2.0)
     close(stats["ratio"], 1.0)
     loss.backward()

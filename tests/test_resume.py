@@ -19,22 +19,39 @@ TIME_KEYS = ("eps",)  # wall-clock dependent, the only logged values allowed to 
 
 def make(make_config, tokenizer, load_models, prompt_dataset, callbacks=None, **overrides):
     policy, value_model, _ = load_models("llama")
-    values = dict(total_episodes=6 * 8, save_strategy="steps", save_steps=2, logging_steps=3, stop_token="eos",
-                  num_ppo_epochs=2, num_mini_batches=2, response_length=8)
+    values = dict(
+        total_episodes=6 * 8,
+        save_strategy="steps",
+        save_steps=2,
+        logging_steps=3,
+        stop_token="eos",
+        num_ppo_epochs=2,
+        num_mini_batches=2,
+        response_length=8,
+    )
     values.update(overrides)
 
     def reward(prompts, completions, **columns):
         return [float(c.split().count("good")) - 0.1 * len(c.split()) for c in completions]
 
-    return PPOTrainer(args=make_config(**values), processing_class=tokenizer, model=policy, ref_model=None,
-                      reward_model=reward, train_dataset=prompt_dataset, value_model=value_model,
-                      callbacks=callbacks)
+    return PPOTrainer(
+        args=make_config(**values),
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward,
+        train_dataset=prompt_dataset,
+        value_model=value_model,
+        callbacks=callbacks,
+    )
 
 
 def weights(trainer):
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
-    return {**{f"policy.{k}": v.clone() for k, v in wrapper.policy.state_dict().items()},
-            **{f"value.{k}": v.clone() for k, v in wrapper.value_model.state_dict().items()}}
+    return {
+        **{f"policy.{k}": v.clone() for k, v in wrapper.policy.state_dict().items()},
+        **{f"value.{k}": v.clone() for k, v in wrapper.value_model.state_dict().items()},
+    }
 
 
 def logs_without_time(trainer):
@@ -47,8 +64,9 @@ def test_resume_is_bitwise_identical(make_config, tokenizer, load_models, prompt
     straight = make(make_config, tokenizer, load_models, prompt_dataset)
     straight.train()
 
-    first = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=str(tmp_path / "b"),
-                 total_episodes=6 * 8)
+    first = make(
+        make_config, tokenizer, load_models, prompt_dataset, output_dir=str(tmp_path / "b"), total_episodes=6 * 8
+    )
     first.args.num_total_batches = 2  # stop after update 2 as if killed, with checkpoint-2 written
     first.train()
     assert (tmp_path / "b" / "checkpoint-2" / PPO_STATE_NAME).exists()
@@ -66,17 +84,36 @@ def test_resume_with_another_batch_size_or_model_names_the_difference(
     make_config, tokenizer, load_models, prompt_dataset, tmp_path
 ):
     make(make_config, tokenizer, load_models, prompt_dataset, total_episodes=16).train()
-    other_batch = make(make_config, tokenizer, load_models, prompt_dataset, per_device_train_batch_size=2,
-                       gradient_accumulation_steps=4, total_episodes=16)
+    other_batch = make(
+        make_config,
+        tokenizer,
+        load_models,
+        prompt_dataset,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        total_episodes=16,
+    )
     with pytest.raises(ValueError, match=r"per_device_train_batch_size`: checkpoint has 4, this run has 2"):
         other_batch.train(resume_from_checkpoint=True)
     policy, value_model, _ = load_models("gpt_neox")  # another model family
-    other_model = PPOTrainer(args=make_config(total_episodes=16, save_strategy="steps", save_steps=2,
-                                              num_mini_batches=2, stop_token="eos", response_length=8,
-                                              num_ppo_epochs=2, logging_steps=3),
-                             processing_class=tokenizer, model=policy, ref_model=None,
-                             reward_model=lambda prompts, completions, **_: [0.0] * len(completions),
-                             train_dataset=prompt_dataset, value_model=value_model)
+    other_model = PPOTrainer(
+        args=make_config(
+            total_episodes=16,
+            save_strategy="steps",
+            save_steps=2,
+            num_mini_batches=2,
+            stop_token="eos",
+            response_length=8,
+            num_ppo_epochs=2,
+            logging_steps=3,
+        ),
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=lambda prompts, completions, **_: [0.0] * len(completions),
+        train_dataset=prompt_dataset,
+        value_model=value_model,
+    )
     with pytest.raises(ValueError, match="policy_fingerprint"):
         other_model.train(resume_from_checkpoint=True)
 
@@ -90,8 +127,9 @@ def test_a_new_run_does_not_overwrite_checkpoints(make_config, tokenizer, load_m
 def test_a_failed_save_leaves_the_previous_checkpoint_usable(
     make_config, tokenizer, load_models, prompt_dataset, tmp_path, monkeypatch
 ):
-    trainer = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=1, total_episodes=3 * 8,
-                   save_total_limit=1)
+    trainer = make(
+        make_config, tokenizer, load_models, prompt_dataset, save_steps=1, total_episodes=3 * 8, save_total_limit=1
+    )
     real_save = PPOTrainer._save_optimizer_and_scheduler
     calls = []
 
@@ -109,8 +147,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint_usable(
     assert (out / f"{STAGING_PREFIX}2").exists()  # the half-written one never got a checkpoint name
     monkeypatch.setattr(PPOTrainer, "_save_optimizer_and_scheduler", real_save)
 
-    resumed = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=1, total_episodes=3 * 8,
-                   save_total_limit=1)
+    resumed = make(
+        make_config, tokenizer, load_models, prompt_dataset, save_steps=1, total_episodes=3 * 8, save_total_limit=1
+    )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
     # save_total_limit=1 keeps only the newest complete checkpoint; the staging left-over is gone.
@@ -167,8 +206,15 @@ def test_signal_drops_an_unstarted_update_or_finishes_a_done_one(
             if moment == "after_update" and state.global_step == 3:
                 os.kill(os.getpid(), signal.SIGINT)
 
-    trainer = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=100,
-                   output_dir=str(tmp_path / "run"), callbacks=[SignalAfterUpdate3()])
+    trainer = make(
+        make_config,
+        tokenizer,
+        load_models,
+        prompt_dataset,
+        save_steps=100,
+        output_dir=str(tmp_path / "run"),
+        callbacks=[SignalAfterUpdate3()],
+    )
     original_score = trainer.score
 
     def score(rollout, batch):
@@ -184,8 +230,9 @@ def test_signal_drops_an_unstarted_update_or_finishes_a_done_one(
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == [f"checkpoint-{expected_step}"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
-    resumed = make(make_config, tokenizer, load_models, prompt_dataset, save_steps=100,
-                   output_dir=str(tmp_path / "run"))
+    resumed = make(
+        make_config, tokenizer, load_models, prompt_dataset, save_steps=100, output_dir=str(tmp_path / "run")
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / f"checkpoint-{expected_step}"))
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)

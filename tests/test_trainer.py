@@ -9,24 +9,44 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl_ppo import PPOTrainer, ppo
 from trl_ppo.rewards import reward_model_scores
-from trl_ppo.rollout import Rollout
 
 # 16 episodes of up to 32 tokens at a high temperature: with a ~140-word vocabulary some responses stop at EOS.
-EOS_LIKELY = dict(response_length=32, temperature=3.0, per_device_train_batch_size=8, local_rollout_forward_batch_size=8)
+EOS_LIKELY = dict(
+    response_length=32, temperature=3.0, per_device_train_batch_size=8, local_rollout_forward_batch_size=8
+)
 
 PPO_METRICS = (
-    "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-    "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
-    "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode",
+    "eps",
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "objective/scores",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "loss/policy_avg",
+    "loss/value_avg",
+    "val/clipfrac_avg",
+    "policy/entropy_avg",
+    "val/ratio",
+    "val/ratio_var",
+    "val/num_eos_tokens",
+    "lr",
+    "episode",
 )
 
 
 def make_trainer(config, tokenizer, load_models, dataset, arch="gpt_neox", reward=None, **kwargs):
     policy, value_model, reward_model = load_models(arch)
     return PPOTrainer(
-        args=config, processing_class=tokenizer, model=policy, ref_model=None,
-        reward_model=reward if reward is not None else reward_model, train_dataset=dataset,
-        value_model=value_model, **kwargs,
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward if reward is not None else reward_model,
+        train_dataset=dataset,
+        value_model=value_model,
+        **kwargs,
     )
 
 
@@ -176,9 +196,16 @@ def test_learning_with_a_reward_that_favours_one_token(make_config, tokenizer, l
         return [float(text.split().count("good")) for text in completions]
 
     config = make_config(
-        total_episodes=30 * 16, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-        local_rollout_forward_batch_size=16, response_length=8, temperature=1.0, learning_rate=3e-3,
-        num_ppo_epochs=4, kl_coef=0.01, seed=7,
+        total_episodes=30 * 16,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        local_rollout_forward_batch_size=16,
+        response_length=8,
+        temperature=1.0,
+        learning_rate=3e-3,
+        num_ppo_epochs=4,
+        kl_coef=0.01,
+        seed=7,
     )
     trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, reward=count_good)
     trainer.train()
@@ -194,8 +221,13 @@ def test_missing_eos_penalty_looks_for_the_configured_stop_token(make_config, to
     """With `stop_token_id` set to a word, the penalty hits responses without that word, not those without EOS."""
     good = tokenizer.convert_tokens_to_ids("good")
     config = make_config(stop_token_id=good, missing_eos_penalty=2.0, **EOS_LIKELY)
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, reward=lambda prompts, completions, **_:
-                           [0.0] * len(completions))
+    trainer = make_trainer(
+        config,
+        tokenizer,
+        load_models,
+        prompt_dataset,
+        reward=lambda prompts, completions, **_: [0.0] * len(completions),
+    )
     rollout = one_rollout(trainer)
     has_good = ((rollout.responses == good) & rollout.response_mask).any(1)
     assert has_good.any() and (~has_good).any()
@@ -224,7 +256,9 @@ def test_conversational_prompts_use_the_chat_template(make_config, tokenizer, lo
     from datasets import Dataset
 
     messages = [[{"role": "user", "content": "the movie was"}]] * 16
-    trainer = make_trainer(make_config(total_episodes=8), tokenizer, load_models, Dataset.from_dict({"prompt": messages}))
+    trainer = make_trainer(
+        make_config(total_episodes=8), tokenizer, load_models, Dataset.from_dict({"prompt": messages})
+    )
     expected = tokenizer.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=False)
     assert tokenizer.decode(trainer.train_dataset[0]["input_ids"]) == expected.strip()
     trainer.train()
@@ -239,9 +273,9 @@ def test_saved_policy_keeps_its_kv_cache_setting(make_config, tokenizer, load_mo
 def test_logging_steps_average_updates_and_the_schedule_steps_once_per_update(
     make_config, tokenizer, load_models, prompt_dataset, monkeypatch
 ):
-    from trl_ppo.metrics import MetricsSinceLog
-
     from transformers import TrainerCallback
+
+    from trl_ppo.metrics import MetricsSinceLog
 
     class Recorder(TrainerCallback):
         def __init__(self):
@@ -269,8 +303,9 @@ def test_logging_steps_average_updates_and_the_schedule_steps_once_per_update(
     assert [m["lr"] for m in per_update] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
 
 
-def test_pad_token_equal_to_eos_keeps_the_stop_token_in_the_response(make_config, tokenizer, load_models,
-                                                                      prompt_dataset):
+def test_pad_token_equal_to_eos_keeps_the_stop_token_in_the_response(
+    make_config, tokenizer, load_models, prompt_dataset
+):
     """The common `tokenizer.pad_token = tokenizer.eos_token` set-up: the EOS that ends a response is part of it
     (the reward model reads it, GAE credits it), and the first PPO ratio is still exactly 1."""
     import copy
@@ -292,13 +327,15 @@ def test_pad_token_equal_to_eos_keeps_the_stop_token_in_the_response(make_config
 
 
 def test_right_padded_prompts_are_rejected(make_config, tokenizer, load_models, prompt_dataset):
-    from transformers import DataCollatorWithPadding
     import copy
+
+    from transformers import DataCollatorWithPadding
 
     right = copy.deepcopy(tokenizer)
     right.padding_side = "right"
-    dataset = prompt_dataset.map(lambda row: {"input_ids": tokenizer(row["prompt"])["input_ids"]},
-                                 remove_columns=["prompt"])
+    dataset = prompt_dataset.map(
+        lambda row: {"input_ids": tokenizer(row["prompt"])["input_ids"]}, remove_columns=["prompt"]
+    )
     with pytest.raises(ValueError, match="left-padded"):
         make_trainer(make_config(), tokenizer, load_models, dataset, data_collator=DataCollatorWithPadding(right))
 
@@ -315,8 +352,15 @@ def test_ref_adapter_name_selects_the_reference_adapter(make_config, tokenizer, 
             if "lora_B.ref" in name:
                 parameter.normal_(std=0.5)
     config = make_config(ref_adapter_name="ref", model_adapter_name="default")
-    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None,
-                         reward_model=reward_model, train_dataset=prompt_dataset, value_model=value_model)
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward_model,
+        train_dataset=prompt_dataset,
+        value_model=value_model,
+    )
     rollout = one_rollout(trainer)
     assert policy.active_adapter == "default"  # switched back after computing ref_logprobs
     mask = rollout.response_mask

@@ -19,6 +19,11 @@ import threading
 
 import numpy as np
 import torch
+from transformers import TrainerState
+from transformers.trainer_callback import ExportableState
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 PPO_STATE_NAME = "trl_ppo_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -26,8 +31,13 @@ STAGING_PREFIX = "tmp-checkpoint-"
 
 # Settings that decide the shape of the run: resuming with another value cannot reproduce it.
 MUST_MATCH = (
-    "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches", "world_size", "batch_size",
-    "response_length", "seed",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_mini_batches",
+    "world_size",
+    "batch_size",
+    "response_length",
+    "seed",
 )
 
 
@@ -205,3 +215,131 @@ class PreemptionHandler:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+# ------------------------------------------------------------------------------------ the trainer's part
+class CheckpointingMixin:
+    """Checkpoint writing, resuming and preemption for `PPOTrainer` (mixed in before `transformers.Trainer`).
+
+    It relies on the trainer's `state`, `control`, `accelerator`, `model`, `data_position`, `_metrics_since_log`,
+    `_policy_loss_sum`, `_skipped_updates` and `_run_identity`.
+    """
+
+    def _exportable_callbacks(self) -> list:
+        return [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]
+
+    def _resume_point(self) -> dict:
+        """Everything besides weights and optimizer that decides what happens next, as of now."""
+        return {
+            "rng": capture_rng_state(),
+            "state": {
+                "episode": self.state.episode,
+                "data_position": list(self.data_position),
+                "metrics_since_log": self._metrics_since_log.state_dict(),
+                "policy_loss_sum": self._policy_loss_sum,
+                "skipped_updates": self._skipped_updates,
+                "identity": self._run_identity,
+            },
+        }
+
+    def _save_checkpoint(self, model, trial, resume_point: dict | None = None) -> str:
+        """Write `checkpoint-<update>` under a temporary name and rename it into place once complete.
+
+        `resume_point` (from `_resume_point`) replaces the current RNG states and counters; it is how a dropped
+        rollout is undone: the weights have not changed since the end of the previous update.
+        """
+        args = self.args
+        step = self.state.global_step
+        resume_point = resume_point if resume_point is not None else self._resume_point()
+        staging = os.path.join(args.output_dir, f"{STAGING_PREFIX}{step}")
+        if self.accelerator.is_main_process:
+            staging_folder(args.output_dir, step)  # clears what an interrupted save left behind
+        self.accelerator.wait_for_everyone()
+        self.save_model(staging, _internal_call=True)
+        if not args.save_only_model:
+            self._save_optimizer_and_scheduler(staging)
+            self._save_scaler(staging)
+        os.makedirs(staging, exist_ok=True)
+        torch.save(resume_point["rng"], rng_file(staging, self.accelerator.process_index))
+        self.accelerator.wait_for_everyone()
+        final = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}{step}")
+        if self.accelerator.is_main_process:
+            self.state.stateful_callbacks = TrainerState(
+                stateful_callbacks=self._exportable_callbacks()
+            ).stateful_callbacks
+            self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+            write_json(os.path.join(staging, PPO_STATE_NAME), resume_point["state"])  # written last
+            final = publish_checkpoint(staging, args.output_dir, step)
+            rotate_checkpoints(args.output_dir, args.save_total_limit, keep=final)
+        self.accelerator.wait_for_everyone()
+        self._last_checkpoint = (step, final)
+        logger.info(f"Checkpoint of update {step} written to {final}")
+        return final
+
+    def _checkpoint_to_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """The checkpoint folder to resume from (None for a fresh run), refusing to overwrite an earlier run."""
+        output_dir = self.args.output_dir
+        if resume_from_checkpoint in (None, False):
+            existing = latest_checkpoint(output_dir)
+            if existing is not None:
+                raise ValueError(
+                    f"`output_dir` ({output_dir}) already holds checkpoints of a run (latest: {existing}). Resume it "
+                    "with `train(resume_from_checkpoint=True)` (`--resume_from_checkpoint latest`), or start a new "
+                    "run in another `output_dir`."
+                )
+            return None
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError("Resuming a PPO run under DeepSpeed is not supported yet.")
+        if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "latest"):
+            path = latest_checkpoint(output_dir)
+            if path is None:
+                raise ValueError(
+                    f"`resume_from_checkpoint=True`: no complete checkpoint in `output_dir` ({output_dir})."
+                )
+            return path
+        path = str(resume_from_checkpoint)
+        if not os.path.isfile(os.path.join(path, PPO_STATE_NAME)):
+            raise ValueError(
+                f"`resume_from_checkpoint` ({path}) is not a complete trl_ppo checkpoint (no {PPO_STATE_NAME})."
+            )
+        return path
+
+    def _restore_checkpoint(self, path: str) -> None:
+        with open(os.path.join(path, PPO_STATE_NAME), encoding="utf-8") as handle:
+            saved = json.load(handle)
+        check_resumable(saved["identity"], self._run_identity, path)
+        if not os.path.isfile(os.path.join(path, "optimizer.pt")):
+            raise ValueError(
+                f"{path} has no optimizer state (written with `save_only_model=True`): it cannot be resumed."
+            )
+        wrapper = self.accelerator.unwrap_model(self.model)
+        load_weights_into(wrapper.policy, path)
+        load_weights_into(wrapper.value_model, os.path.join(path, "value_model"))
+        self._load_optimizer_and_scheduler(path)
+        self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+        self._load_callback_state()
+        self.state.episode = saved["episode"]
+        self.data_position = tuple(saved["data_position"])
+        self._metrics_since_log.load_state_dict(saved["metrics_since_log"])
+        self._policy_loss_sum = saved["policy_loss_sum"]
+        self._skipped_updates = saved["skipped_updates"]
+        self._last_checkpoint = (self.state.global_step, path)
+        load_rng_state(path, self.accelerator.process_index)
+        logger.warning(f"Resuming from {path}: update {self.state.global_step}, episode {self.state.episode}.")
+
+    def _stop_requested(self, preemption: "PreemptionHandler") -> bool:
+        """Whether any process got SIGTERM/SIGINT (all processes must stop at the same point)."""
+        flag = torch.tensor([1.0 if preemption.requested else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+
+    def _exit_after_checkpoint(self, signal_name: str | None, resume_point: dict | None) -> None:
+        step = self.state.global_step
+        if self._last_checkpoint is not None and self._last_checkpoint[0] == step:
+            path = self._last_checkpoint[1]
+        else:
+            path = self._save_checkpoint(self.model, trial=None, resume_point=resume_point)
+        logger.warning(
+            f"Stopped by {signal_name or 'a signal'} after update {step} of {self.args.num_total_batches}; "
+            f"checkpoint: {path}. Resume with `train(resume_from_checkpoint=True)`."
+        )
+        raise SystemExit(0)

@@ -135,15 +135,31 @@ def run_default_job(argv: list[str]) -> None:
     )
     tokenizer = default_job.build_word_tokenizer()
     policy, value_model = default_job.build_tiny_models(tokenizer)
-    train_and_save(training_args, model_args, tokenizer, policy, None, default_job.positive_words_reward,
-                   value_model, prompt_datasets(script_args))
+    train_and_save(
+        training_args,
+        model_args,
+        tokenizer,
+        policy,
+        None,
+        default_job.positive_words_reward,
+        value_model,
+        prompt_datasets(script_args),
+    )
 
 
 def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
     """Train models given by path/hub name on a prompt dataset (the TRL example's flow)."""
     tokenizer, policy, ref_policy, value_model, reward_model = load_models(training_args, model_args)
-    train_and_save(training_args, model_args, tokenizer, policy, ref_policy, reward_model, value_model,
-                   prompt_datasets(script_args))
+    train_and_save(
+        training_args,
+        model_args,
+        tokenizer,
+        policy,
+        ref_policy,
+        reward_model,
+        value_model,
+        prompt_datasets(script_args),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

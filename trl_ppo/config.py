@@ -187,16 +187,25 @@ def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len
     args.micro_batch_size = args.per_device_train_batch_size * world_size
     args.batch_size = args.local_batch_size * world_size
     args.mini_batch_size = _exact_div(
-        args.batch_size, args.num_mini_batches, "Cannot split a batch into minibatches", "batch_size",
+        args.batch_size,
+        args.num_mini_batches,
+        "Cannot split a batch into minibatches",
+        "batch_size",
         "num_mini_batches",
     )
     args.local_mini_batch_size = _exact_div(
-        args.local_batch_size, args.num_mini_batches, "Cannot split a process's batch into minibatches",
-        "local_batch_size = per_device_train_batch_size * gradient_accumulation_steps", "num_mini_batches",
+        args.local_batch_size,
+        args.num_mini_batches,
+        "Cannot split a process's batch into minibatches",
+        "local_batch_size = per_device_train_batch_size * gradient_accumulation_steps",
+        "num_mini_batches",
     )
     _exact_div(
-        args.local_mini_batch_size, args.per_device_train_batch_size, "Cannot split a minibatch into micro-batches",
-        "local_mini_batch_size", "per_device_train_batch_size",
+        args.local_mini_batch_size,
+        args.per_device_train_batch_size,
+        "Cannot split a minibatch into micro-batches",
+        "local_mini_batch_size",
+        "per_device_train_batch_size",
     )
     if args.total_episodes < args.batch_size:
         raise ValueError(
@@ -220,14 +229,16 @@ def validate_config(args: OnPolicyConfig) -> None:
     if args.stop_token not in (None, "eos"):
         fail(f"Unknown `stop_token` {args.stop_token!r}: use 'eos', or `stop_token_id` for another token.")
     if args.stop_token is not None and args.stop_token_id is not None:
-        fail(
-            f"`stop_token` ({args.stop_token!r}) and `stop_token_id` ({args.stop_token_id}) are both set: keep one."
-        )
+        fail(f"`stop_token` ({args.stop_token!r}) and `stop_token_id` ({args.stop_token_id}) are both set: keep one.")
     if args.missing_eos_penalty is not None:
         if args.missing_eos_penalty < 0:
             fail(f"`missing_eos_penalty` is subtracted, so it must be >= 0; got {args.missing_eos_penalty}.")
-    for name in ("num_mini_batches", "local_rollout_forward_batch_size", "per_device_train_batch_size",
-                 "gradient_accumulation_steps"):
+    for name in (
+        "num_mini_batches",
+        "local_rollout_forward_batch_size",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+    ):
         if getattr(args, name) < 1:
             fail(f"`{name}` must be at least 1, got {getattr(args, name)}.")
     if args.total_episodes is not None and args.total_episodes < 1:

@@ -78,8 +78,9 @@ class SharedOrderBatchSampler:
     where the interrupted one stopped.
     """
 
-    def __init__(self, dataset_length: int, local_batch_size: int, num_processes: int, process_index: int,
-                 seed: int) -> None:
+    def __init__(
+        self, dataset_length: int, local_batch_size: int, num_processes: int, process_index: int, seed: int
+    ) -> None:
         self.local_batch_size = local_batch_size
         self.global_batch_size = local_batch_size * num_processes
         self.offset = process_index * local_batch_size

@@ -14,6 +14,8 @@ from importlib import resources
 
 from datasets import Dataset
 
+from .script_args import as_flags
+
 POSITIVE_WORDS = (
     "good great happy wonderful excellent amazing lovely fun nice brilliant beautiful perfect joyful bright "
     "delightful fantastic pleasant superb warm cheerful"
@@ -94,23 +96,25 @@ def default_prompts() -> Dataset:
     return Dataset.from_list([json.loads(line) for line in text.splitlines() if line.strip()])
 
 
-# Hyper-parameters of the default job, as command-line flags so that any flag the user passes wins.
-DEFAULT_JOB_FLAGS = [
-    "--output_dir", "trl_ppo_default_run",
-    "--learning_rate", "3e-4",
-    "--per_device_train_batch_size", "16",
-    "--gradient_accumulation_steps", "2",
-    "--num_ppo_epochs", "4",
-    "--num_mini_batches", "1",
-    "--total_episodes", "3200",
-    "--response_length", "12",
-    "--temperature", "1.0",
-    "--kl_coef", "0.02",
-    "--stop_token", "eos",
-    "--num_sample_generations", "4",
-    "--per_device_eval_batch_size", "8",
-    "--logging_steps", "10",
-    "--save_strategy", "no",
-    "--report_to", "none",
-    "--seed", "1",
-]
+# Hyper-parameters of the default job. They are passed as command-line flags before the user's, so any flag the
+# user gives wins.
+DEFAULT_JOB_SETTINGS = {
+    "output_dir": "trl_ppo_default_run",
+    "learning_rate": 3e-4,
+    "per_device_train_batch_size": 16,
+    "gradient_accumulation_steps": 2,
+    "num_ppo_epochs": 4,
+    "num_mini_batches": 1,
+    "total_episodes": 3200,
+    "response_length": 12,
+    "temperature": 1.0,
+    "kl_coef": 0.02,
+    "stop_token": "eos",
+    "num_sample_generations": 4,
+    "per_device_eval_batch_size": 8,
+    "logging_steps": 10,
+    "save_strategy": "no",
+    "report_to": "none",
+    "seed": 1,
+}
+DEFAULT_JOB_FLAGS = as_flags(DEFAULT_JOB_SETTINGS)

@@ -21,8 +21,16 @@ except ImportError:  # pragma: no cover
 
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "hidden_dropout", "attn_dropout", "dropout", "dropout_rate")
 _DROPOUT_CONFIG_KEYS = (
-    "attention_dropout", "hidden_dropout", "attention_probs_dropout_prob", "hidden_dropout_prob", "resid_pdrop",
-    "embd_pdrop", "attn_pdrop", "summary_first_dropout", "classifier_dropout", "dropout",
+    "attention_dropout",
+    "hidden_dropout",
+    "attention_probs_dropout_prob",
+    "hidden_dropout_prob",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "summary_first_dropout",
+    "classifier_dropout",
+    "dropout",
 )
 
 
@@ -59,7 +67,10 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_response_logits(
-    policy: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int,
+    policy: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
     temperature: float,
 ) -> torch.Tensor:
     """Logits that predict the last `response_length` tokens of `input_ids` `[B, L]`, divided by `temperature`

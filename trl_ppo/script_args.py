@@ -36,8 +36,10 @@ class ModelConfig:
     model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
     dtype: str | None = field(
         default=None,
-        metadata={"help": "Weights dtype: 'auto', 'bfloat16', 'float16' or 'float32'.",
-                  "choices": ["auto", "bfloat16", "float16", "float32", None]},
+        metadata={
+            "help": "Weights dtype: 'auto', 'bfloat16', 'float16' or 'float32'.",
+            "choices": ["auto", "bfloat16", "float16", "float32", None],
+        },
     )
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
     attn_implementation: str | None = field(
@@ -73,6 +75,11 @@ class ModelConfig:
             raise ValueError("`load_in_8bit` and `load_in_4bit` are both set: choose one.")
         if self.lora_target_modules is not None and len(self.lora_target_modules) == 1:
             self.lora_target_modules = self.lora_target_modules[0]  # "all-linear" is a string, not a list
+
+
+def as_flags(settings: dict) -> list[str]:
+    """`{"learning_rate": 3e-4}` -> `["--learning_rate", "3e-4"]`, to put defaults before a user's own flags."""
+    return [item for key, value in settings.items() for item in (f"--{key}", str(value))]
 
 
 def get_peft_config(model_args: ModelConfig):

@@ -7,7 +7,6 @@ One update reads like the algorithm: rollout -> score -> advantages -> PPO updat
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections import defaultdict
@@ -16,15 +15,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainerState
-from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
 from . import ppo
+from .checkpoint import CheckpointingMixin
 from .completions import log_completions_to_wandb, print_completions_table
 from .config import OnPolicyConfig, PPOConfig, compute_batch_sizes, validate_config
 from .data import LeftPaddingCollator, SharedOrderBatchSampler, fit_prompts, prepare_prompt_dataset
+from .metrics import MetricsSinceLog, update_metrics
 from .models import (
     PolicyAndValueWrapper,
     check_scalar_head_model,
@@ -37,14 +37,13 @@ from .models import (
     policy_response_logits,
     prepare_models,
 )
-from .metrics import MetricsSinceLog, update_metrics
 from .rewards import check_reward, compute_scores, decode_texts
 from .rollout import Rollout, chunks, masked_response_logprobs, sample_responses, unwrap_for_generation
 
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(Trainer):
+class PPOTrainer(CheckpointingMixin, Trainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -109,7 +108,12 @@ class PPOTrainer(Trainer):
                 "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
                 "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
             )
-        fingerprints = {"policy": model, "ref_model": ref_model, "value_model": value_model, "reward_model": reward_model}
+        fingerprints = {
+            "policy": model,
+            "ref_model": ref_model,
+            "value_model": value_model,
+            "reward_model": reward_model,
+        }
         fingerprints = {name: ckpt.model_fingerprint(module) for name, module in fingerprints.items()}
         model, ref_model = prepare_models(
             model, ref_model, value_model, reward_model, peft_config, gradient_checkpointing_kwargs(args)
@@ -117,7 +121,8 @@ class PPOTrainer(Trainer):
         self.is_peft_model = is_peft_model(model)
 
         check_vocabularies(
-            processing_class, {"model": model, "ref_model": ref_model, "value_model": value_model, "reward_model": reward_model}
+            processing_class,
+            {"model": model, "ref_model": ref_model, "value_model": value_model, "reward_model": reward_model},
         )
 
         # Data.
@@ -126,7 +131,9 @@ class PPOTrainer(Trainer):
         if train_dataset is None or len(train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: PPO needs prompts to sample from.")
         context = context_length(model)
-        train_dataset = fit_prompts(train_dataset, args.max_prompt_length, args.response_length, context, "train_dataset")
+        train_dataset = fit_prompts(
+            train_dataset, args.max_prompt_length, args.response_length, context, "train_dataset"
+        )
         eval_dataset = fit_prompts(eval_dataset, args.max_prompt_length, args.response_length, context, "eval_dataset")
         if data_collator is None:
             data_collator = LeftPaddingCollator(processing_class.pad_token_id)
@@ -175,14 +182,20 @@ class PPOTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         """This process's batches of `local_batch_size` prompts, in a seeded order shared by all processes."""
         self._sampler = SharedOrderBatchSampler(
-            len(self.train_dataset), self.args.local_batch_size, self.accelerator.num_processes,
-            self.accelerator.process_index, self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+            len(self.train_dataset),
+            self.args.local_batch_size,
+            self.accelerator.num_processes,
+            self.accelerator.process_index,
+            self.args.data_seed if self.args.data_seed is not None else self.args.seed,
         )
         # Its own generator: starting an iterator draws a seed, which must not consume the global RNG (a resumed
         # run starts its iterator at another moment than the run it continues).
         return DataLoader(
-            self.train_dataset, batch_sampler=self._sampler, collate_fn=self.data_collator,
-            num_workers=self.args.dataloader_num_workers, generator=torch.Generator().manual_seed(self._sampler.seed),
+            self.train_dataset,
+            batch_sampler=self._sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            generator=torch.Generator().manual_seed(self._sampler.seed),
         )
 
     def _batches_forever(self):
@@ -325,8 +338,10 @@ class PPOTrainer(Trainer):
                 "`skip_nonfinite_updates=True` to skip such updates."
             )
         self._skipped_updates += 1
-        logger.warning(f"Non-finite PPO loss at update {update}: the rest of this update is skipped "
-                       f"({self._skipped_updates} skipped so far).")
+        logger.warning(
+            f"Non-finite PPO loss at update {update}: the rest of this update is skipped "
+            f"({self._skipped_updates} skipped so far)."
+        )
 
     def _ppo_micro_step(self, episodes: Rollout, advantages, returns, num_micro_batches: int) -> dict:
         args = self.args
@@ -376,8 +391,13 @@ class PPOTrainer(Trainer):
                 with self.accelerator.autocast():
                     responses = [
                         sample_responses(
-                            wrapper.policy, queries[part], query_mask[part], args.response_length, args.temperature,
-                            self.stop_token_id, self.processing_class.pad_token_id,
+                            wrapper.policy,
+                            queries[part],
+                            query_mask[part],
+                            args.response_length,
+                            args.temperature,
+                            self.stop_token_id,
+                            self.processing_class.pad_token_id,
                         )
                         for part in chunks(queries.size(0), args.local_rollout_forward_batch_size)
                     ]
@@ -409,7 +429,9 @@ class PPOTrainer(Trainer):
         self._last_checkpoint = None
         if checkpoint is not None:
             self._restore_checkpoint(checkpoint)
-        self.state.init_training_references(self, args.num_total_batches, args.total_episodes / len(self.train_dataset), None)
+        self.state.init_training_references(
+            self, args.num_total_batches, args.total_episodes / len(self.train_dataset), None
+        )
         self.state.compute_steps(args, args.num_total_batches)
         self._start_time, self._start_episode = time.time(), self.state.episode
         self.model.train()
@@ -418,8 +440,13 @@ class PPOTrainer(Trainer):
     def _end_update(self, rollout: Rollout, reward_stats: dict, update_stats: dict) -> None:
         """Gather this update's metrics, step the schedule, then log / save as the callbacks decide."""
         metrics = update_metrics(
-            rollout, reward_stats["kl"], reward_stats["non_score_rewards"], update_stats, self.accelerator,
-            self.processing_class.eos_token_id, self.stop_token_id,
+            rollout,
+            reward_stats["kl"],
+            reward_stats["non_score_rewards"],
+            update_stats,
+            self.accelerator,
+            self.processing_class.eos_token_id,
+            self.stop_token_id,
         )
         metrics["eps"] = int((self.state.episode - self._start_episode) / max(time.time() - self._start_time, 1e-9))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
@@ -454,120 +481,6 @@ class PPOTrainer(Trainer):
         loss = self._policy_loss_sum / max(self.state.global_step, 1)
         return TrainOutput(self.state.global_step, loss, metrics)
 
-    # ------------------------------------------------------------------------------ checkpoints and resume
-    def _exportable_callbacks(self) -> list:
-        return [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]
-
-    def _resume_point(self) -> dict:
-        """Everything besides weights and optimizer that decides what happens next, as of now."""
-        return {
-            "rng": ckpt.capture_rng_state(),
-            "state": {
-                "episode": self.state.episode,
-                "data_position": list(self.data_position),
-                "metrics_since_log": self._metrics_since_log.state_dict(),
-                "policy_loss_sum": self._policy_loss_sum,
-                "skipped_updates": self._skipped_updates,
-                "identity": self._run_identity,
-            },
-        }
-
-    def _save_checkpoint(self, model, trial, resume_point: dict | None = None) -> str:
-        """Write `checkpoint-<update>` under a temporary name and rename it into place once complete.
-
-        `resume_point` (from `_resume_point`) replaces the current RNG states and counters; it is how a dropped
-        rollout is undone: the weights have not changed since the end of the previous update.
-        """
-        args = self.args
-        step = self.state.global_step
-        resume_point = resume_point if resume_point is not None else self._resume_point()
-        staging = os.path.join(args.output_dir, f"{ckpt.STAGING_PREFIX}{step}")
-        if self.accelerator.is_main_process:
-            ckpt.staging_folder(args.output_dir, step)  # clears what an interrupted save left behind
-        self.accelerator.wait_for_everyone()
-        self.save_model(staging, _internal_call=True)
-        if not args.save_only_model:
-            self._save_optimizer_and_scheduler(staging)
-            self._save_scaler(staging)
-        os.makedirs(staging, exist_ok=True)
-        torch.save(resume_point["rng"], ckpt.rng_file(staging, self.accelerator.process_index))
-        self.accelerator.wait_for_everyone()
-        final = os.path.join(args.output_dir, f"{ckpt.CHECKPOINT_PREFIX}{step}")
-        if self.accelerator.is_main_process:
-            self.state.stateful_callbacks = TrainerState(stateful_callbacks=self._exportable_callbacks()).stateful_callbacks
-            self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
-            ckpt.write_json(os.path.join(staging, ckpt.PPO_STATE_NAME), resume_point["state"])  # written last
-            final = ckpt.publish_checkpoint(staging, args.output_dir, step)
-            ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, keep=final)
-        self.accelerator.wait_for_everyone()
-        self._last_checkpoint = (step, final)
-        logger.info(f"Checkpoint of update {step} written to {final}")
-        return final
-
-    def _checkpoint_to_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
-        """The checkpoint folder to resume from (None for a fresh run), refusing to overwrite an earlier run."""
-        output_dir = self.args.output_dir
-        if resume_from_checkpoint in (None, False):
-            existing = ckpt.latest_checkpoint(output_dir)
-            if existing is not None:
-                raise ValueError(
-                    f"`output_dir` ({output_dir}) already holds checkpoints of a run (latest: {existing}). Resume it "
-                    "with `train(resume_from_checkpoint=True)` (`--resume_from_checkpoint latest`), or start a new "
-                    "run in another `output_dir`."
-                )
-            return None
-        if self.is_deepspeed_enabled:
-            raise NotImplementedError("Resuming a PPO run under DeepSpeed is not supported yet.")
-        if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "latest"):
-            path = ckpt.latest_checkpoint(output_dir)
-            if path is None:
-                raise ValueError(f"`resume_from_checkpoint=True`: no complete checkpoint in `output_dir` ({output_dir}).")
-            return path
-        path = str(resume_from_checkpoint)
-        if not os.path.isfile(os.path.join(path, ckpt.PPO_STATE_NAME)):
-            raise ValueError(
-                f"`resume_from_checkpoint` ({path}) is not a complete trl_ppo checkpoint (no {ckpt.PPO_STATE_NAME})."
-            )
-        return path
-
-    def _restore_checkpoint(self, path: str) -> None:
-        with open(os.path.join(path, ckpt.PPO_STATE_NAME), encoding="utf-8") as handle:
-            saved = json.load(handle)
-        ckpt.check_resumable(saved["identity"], self._run_identity, path)
-        if not os.path.isfile(os.path.join(path, "optimizer.pt")):
-            raise ValueError(f"{path} has no optimizer state (written with `save_only_model=True`): it cannot be resumed.")
-        wrapper = self.accelerator.unwrap_model(self.model)
-        ckpt.load_weights_into(wrapper.policy, path)
-        ckpt.load_weights_into(wrapper.value_model, os.path.join(path, "value_model"))
-        self._load_optimizer_and_scheduler(path)
-        self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
-        self._load_callback_state()
-        self.state.episode = saved["episode"]
-        self.data_position = tuple(saved["data_position"])
-        self._metrics_since_log.load_state_dict(saved["metrics_since_log"])
-        self._policy_loss_sum = saved["policy_loss_sum"]
-        self._skipped_updates = saved["skipped_updates"]
-        self._last_checkpoint = (self.state.global_step, path)
-        ckpt.load_rng_state(path, self.accelerator.process_index)
-        logger.warning(f"Resuming from {path}: update {self.state.global_step}, episode {self.state.episode}.")
-
-    def _stop_requested(self, preemption: "ckpt.PreemptionHandler") -> bool:
-        """Whether any process got SIGTERM/SIGINT (all processes must stop at the same point)."""
-        flag = torch.tensor([1.0 if preemption.requested else 0.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
-
-    def _exit_after_checkpoint(self, signal_name: str | None, resume_point: dict | None) -> None:
-        step = self.state.global_step
-        if self._last_checkpoint is not None and self._last_checkpoint[0] == step:
-            path = self._last_checkpoint[1]
-        else:
-            path = self._save_checkpoint(self.model, trial=None, resume_point=resume_point)
-        logger.warning(
-            f"Stopped by {signal_name or 'a signal'} after update {step} of {self.args.num_total_batches}; "
-            f"checkpoint: {path}. Resume with `train(resume_from_checkpoint=True)`."
-        )
-        raise SystemExit(0)
-
     # ----------------------------------------------------------------------------------------- completions
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False) -> list[dict]:
@@ -579,13 +492,17 @@ class PPOTrainer(Trainer):
         """
         args = self.args
         dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
-        count = min(len(dataset), args.per_device_eval_batch_size if sampling or self.eval_dataset is None else len(dataset))
+        count = min(
+            len(dataset), args.per_device_eval_batch_size if sampling or self.eval_dataset is None else len(dataset)
+        )
         rows = []
         for part in chunks(count, args.per_device_eval_batch_size):
             batch = self.data_collator([dataset[i] for i in range(part.start, part.stop)])
             queries, query_mask = self._prompts_of(batch)
             responses = self._sample(queries, query_mask)
-            rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
+            rollout = Rollout(
+                queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id)
+            )
             scores = self.score(rollout, batch)
             texts = zip(
                 decode_texts(self.processing_class, queries, query_mask),

@@ -20,14 +20,16 @@ Without --model_name_or_path the tiny embedded default job runs instead.
 import sys
 
 from trl_ppo.cli import main
+from trl_ppo.script_args import as_flags
 
-TLDR_FLAGS = [
-    "--dataset_name", "trl-lib/tldr",
-    "--dataset_test_split", "validation",
-    "--stop_token", "eos",
-    "--missing_eos_penalty", "1.0",
-    "--response_length", "53",
-]
+TLDR_SETTINGS = {
+    "dataset_name": "trl-lib/tldr",
+    "dataset_test_split": "validation",
+    "stop_token": "eos",
+    "missing_eos_penalty": 1.0,
+    "response_length": 53,
+}
+TLDR_FLAGS = as_flags(TLDR_SETTINGS)
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

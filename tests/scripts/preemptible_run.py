@@ -34,13 +34,31 @@ if __name__ == "__main__":
     tokenizer = build_word_tokenizer()
     policy, value_model = build_tiny_models(tokenizer, hidden_size=64)
     config = PPOConfig(
-        output_dir=output_dir, per_device_train_batch_size=8, gradient_accumulation_steps=2, total_episodes=16 * 8,
-        response_length=16, num_ppo_epochs=2, learning_rate=1e-3, num_sample_generations=0, logging_steps=1,
-        save_strategy="steps", save_steps=3, report_to="none", seed=11, stop_token="eos", disable_tqdm=True,
+        output_dir=output_dir,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        total_episodes=16 * 8,
+        response_length=16,
+        num_ppo_epochs=2,
+        learning_rate=1e-3,
+        num_sample_generations=0,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=3,
+        report_to="none",
+        seed=11,
+        stop_token="eos",
+        disable_tqdm=True,
     )
     trainer = PPOTrainer(
-        args=config, processing_class=tokenizer, model=policy, ref_model=None, reward_model=positive_words_reward,
-        value_model=value_model, train_dataset=default_prompts(), callbacks=[Announce()],
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=positive_words_reward,
+        value_model=value_model,
+        train_dataset=default_prompts(),
+        callbacks=[Announce()],
     )
     trainer.train(resume_from_checkpoint=True if resume else None)
     wrapper = trainer.accelerator.unwrap_model(trainer.model)

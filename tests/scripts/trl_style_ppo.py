@@ -7,9 +7,16 @@ from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser
 
 # In a TRL script these two lines read `from trl import ...` and `from trl.experimental.ppo import ...`.
-from trl_ppo import ModelConfig, ScriptArguments, get_kbit_device_map, get_peft_config, get_quantization_config
-from trl_ppo import PPOConfig, PPOTrainer
-from trl_ppo import SIMPLE_CHAT_TEMPLATE
+from trl_ppo import (
+    SIMPLE_CHAT_TEMPLATE,
+    ModelConfig,
+    PPOConfig,
+    PPOTrainer,
+    ScriptArguments,
+    get_kbit_device_map,
+    get_peft_config,
+    get_quantization_config,
+)
 
 if __name__ == "__main__":
     parser = HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig))
@@ -43,8 +50,9 @@ if __name__ == "__main__":
         def tokenize(element):
             return {"input_ids": tokenizer(element["prompt"], padding=False)["input_ids"]}
 
-        return dataset.map(tokenize, batched=True, remove_columns=dataset.column_names,
-                           num_proc=training_args.dataset_num_proc)
+        return dataset.map(
+            tokenize, batched=True, remove_columns=dataset.column_names, num_proc=training_args.dataset_num_proc
+        )
 
     with PartialState().local_main_process_first():
         train_dataset = prepare_dataset(train_dataset, tokenizer)
