@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
 from trl_ppo import PPOTrainer
 from trl_ppo.checkpoint import PPO_STATE_NAME, STAGING_PREFIX
@@ -58,22 +60,37 @@ def logs_without_time(trainer):
     return [{k: v for k, v in entry.items() if k not in TIME_KEYS} for entry in trainer.state.log_history]
 
 
+class StepCounter(TrainerCallback, ExportableState):
+    """A stateful callback: its count must survive a resume."""
+
+    def __init__(self, count: int = 0):
+        self.count = count
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.count += 1
+
+    def state(self) -> dict:
+        return {"args": {"count": self.count}, "attributes": {}}
+
+
 def test_resume_is_bitwise_identical(make_config, tokenizer, load_models, prompt_dataset, tmp_path):
     """6 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit. The
-    checkpoint falls between two logs (logging_steps=3), so metrics not yet logged must survive it too."""
+    checkpoint falls between two logs (logging_steps=3), so metrics not yet logged must survive it too, and so
+    must the state of a stateful callback."""
     straight = make(make_config, tokenizer, load_models, prompt_dataset)
     straight.train()
 
-    first = make(
-        make_config, tokenizer, load_models, prompt_dataset, output_dir=str(tmp_path / "b"), total_episodes=6 * 8
-    )
+    output_dir = str(tmp_path / "b")
+    first = make(make_config, tokenizer, load_models, prompt_dataset, [StepCounter()], output_dir=output_dir)
     first.args.num_total_batches = 2  # stop after update 2 as if killed, with checkpoint-2 written
     first.train()
     assert (tmp_path / "b" / "checkpoint-2" / PPO_STATE_NAME).exists()
 
-    resumed = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=str(tmp_path / "b"))
+    resumed = make(make_config, tokenizer, load_models, prompt_dataset, [StepCounter()], output_dir=output_dir)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6 and resumed.state.episode == 48
+    counter = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, StepCounter))
+    assert counter.count == 6  # 2 before the checkpoint (restored), then 4 more
     a, b = weights(straight), weights(resumed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert logs_without_time(straight) == logs_without_time(resumed)

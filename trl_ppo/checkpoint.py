@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 import torch
-from transformers import TrainerState
+from transformers import TrainerControl, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
@@ -317,7 +317,7 @@ class CheckpointingMixin:
         load_weights_into(wrapper.value_model, os.path.join(path, "value_model"))
         self._load_optimizer_and_scheduler(path)
         self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
-        self._load_callback_state()
+        self._restore_callback_states()
         self.state.episode = saved["episode"]
         self.data_position = tuple(saved["data_position"])
         self._metrics_since_log.load_state_dict(saved["metrics_since_log"])
@@ -326,6 +326,18 @@ class CheckpointingMixin:
         self._last_checkpoint = (self.state.global_step, path)
         load_rng_state(path, self.accelerator.process_index)
         logger.warning(f"Resuming from {path}: update {self.state.global_step}, episode {self.state.episode}.")
+
+    def _restore_callback_states(self) -> None:
+        """Give stateful callbacks (e.g. early stopping's patience) their saved state: part of an exact resume, so
+        done whatever `restore_callback_states_from_checkpoint` says. The control flags start fresh: a checkpoint
+        written at the last update must not stop a resumed run that was given more episodes."""
+        requested = self.args.restore_callback_states_from_checkpoint
+        self.args.restore_callback_states_from_checkpoint = True
+        try:
+            self._load_callback_state()
+        finally:
+            self.args.restore_callback_states_from_checkpoint = requested
+        self.control = TrainerControl()
 
     def _stop_requested(self, preemption: "PreemptionHandler") -> bool:
         """Whether any process got SIGTERM/SIGINT (all processes must stop at the same point)."""
