@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from trl_ppo.cli import main
+from trl_ppo.script_args import as_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_RUN = [
@@ -65,50 +66,30 @@ def test_default_job_trains_and_saves(tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run") is not None
 
 
+def local_model_flags(model_paths, arch, prompts_file, output_dir):
+    policy_path, value_path = model_paths[arch]
+    return as_flags(
+        {
+            "model_name_or_path": policy_path,
+            "sft_model_path": policy_path,
+            "reward_model_path": value_path,
+            "dataset_name": prompts_file,
+            "output_dir": output_dir,
+        }
+    )
+
+
 @pytest.mark.parametrize("script", ["examples/scripts/ppo.py", "examples/scripts/ppo_tldr.py"])
 def test_example_scripts_on_local_models_and_data(script, model_paths, prompts_file, tmp_path):
-    policy_path, value_path = model_paths["llama"]
-    output = run(
-        [
-            script,
-            "--model_name_or_path",
-            policy_path,
-            "--sft_model_path",
-            policy_path,
-            "--reward_model_path",
-            value_path,
-            "--dataset_name",
-            prompts_file,
-            "--output_dir",
-            str(tmp_path / "out"),
-            *SMALL_RUN,
-        ]
-    )
+    output = run([script, *local_model_flags(model_paths, "llama", prompts_file, str(tmp_path / "out")), *SMALL_RUN])
     assert "objective/scores" in output and "Completions" in output
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
 
 
 def test_trl_style_script_runs_with_only_the_import_changed(model_paths, prompts_file, tmp_path):
-    policy_path, value_path = model_paths["gpt_neox"]
+    flags = local_model_flags(model_paths, "gpt_neox", prompts_file, str(tmp_path / "out"))
     output = run(
-        [
-            "tests/scripts/trl_style_ppo.py",
-            "--model_name_or_path",
-            policy_path,
-            "--sft_model_path",
-            policy_path,
-            "--reward_model_path",
-            value_path,
-            "--dataset_name",
-            prompts_file,
-            "--output_dir",
-            str(tmp_path / "out"),
-            "--missing_eos_penalty",
-            "1.0",
-            "--stop_token",
-            "eos",
-            *SMALL_RUN,
-        ]
+        ["tests/scripts/trl_style_ppo.py", *flags, "--missing_eos_penalty", "1.0", "--stop_token", "eos", *SMALL_RUN]
     )
     assert "objective/scores" in output
     assert (tmp_path / "out" / "model.safetensors").exists()

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TIME_KEYS = ("eps",)  # wall-clock dependent, the only logged values allowed to differ
 
 
-def make(make_config, tokenizer, load_models, prompt_dataset, callbacks=None, **overrides):
-    policy, value_model, _ = load_models("llama")
+def make(make_config, tokenizer, load_models, prompt_dataset, callbacks=None, arch="llama", **overrides):
+    policy, value_model, _ = load_models(arch)
     values = dict(
         total_episodes=6 * 8,
         save_strategy="steps",
@@ -112,25 +112,7 @@ def test_resume_with_another_batch_size_or_model_names_the_difference(
     )
     with pytest.raises(ValueError, match=r"per_device_train_batch_size`: checkpoint has 4, this run has 2"):
         other_batch.train(resume_from_checkpoint=True)
-    policy, value_model, _ = load_models("gpt_neox")  # another model family
-    other_model = PPOTrainer(
-        args=make_config(
-            total_episodes=16,
-            save_strategy="steps",
-            save_steps=2,
-            num_mini_batches=2,
-            stop_token="eos",
-            response_length=8,
-            num_ppo_epochs=2,
-            logging_steps=3,
-        ),
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=lambda prompts, completions, **_: [0.0] * len(completions),
-        train_dataset=prompt_dataset,
-        value_model=value_model,
-    )
+    other_model = make(make_config, tokenizer, load_models, prompt_dataset, arch="gpt_neox", total_episodes=16)
     with pytest.raises(ValueError, match="policy_fingerprint"):
         other_model.train(resume_from_checkpoint=True)
 
