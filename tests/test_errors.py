@@ -83,16 +83,11 @@ def short_reward(prompts, completions, **columns):
     return [1.0]
 
 
-def none_reward(prompts, completions, **columns):
-    return [None] * len(completions)
-
-
 @pytest.mark.parametrize(
     "reward, message",
     [
         (nan_reward, r"Update 1: Reward 'nan_reward' returned 1 non-finite score"),
         (short_reward, r"Update 1: Reward function 'short_reward' returned 1 scores for 8 completions"),
-        (none_reward, r"Update 1: Reward function 'none_reward' returned None"),
     ],
 )
 def test_bad_reward_values_name_the_reward_and_the_update(

@@ -53,7 +53,7 @@ def make_trainer(config, tokenizer, load_models, dataset, arch="gpt_neox", rewar
 def one_rollout(trainer):
     batch = next(iter(trainer.train_dataloader))
     rollout = trainer.collect_rollout(batch)
-    rollout.scores = trainer.score(rollout, batch)
+    rollout.scores, _ = trainer.score(rollout, batch)
     return rollout
 
 

@@ -14,10 +14,12 @@ from .script_args import (
     get_quantization_config,
 )
 from .trainer import PPOTrainer
+from .value_head import AutoModelForCausalLMWithValueHead
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoModelForCausalLMWithValueHead",
     "SIMPLE_CHAT_TEMPLATE",
     "ModelConfig",
     "OnPolicyConfig",

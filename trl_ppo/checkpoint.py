@@ -23,6 +23,8 @@ from transformers import TrainerControl, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
+from .value_head import VALUE_HEAD_FILE, is_value_head_model
+
 logger = logging.get_logger(__name__)
 
 PPO_STATE_NAME = "trl_ppo_state.json"
@@ -178,6 +180,11 @@ def load_weights_into(model: torch.nn.Module, folder: str) -> None:
     """
     from safetensors.torch import load_file
 
+    if is_value_head_model(model):  # the causal LM as below, then its head
+        load_weights_into(model.pretrained_model, folder)
+        head = load_file(os.path.join(folder, VALUE_HEAD_FILE))
+        model.v_head.load_state_dict({key.removeprefix("v_head."): value for key, value in head.items()})
+        return
     adapter = os.path.join(folder, "adapter_model.safetensors")
     if os.path.isfile(adapter):
         from peft import set_peft_model_state_dict
@@ -222,7 +229,8 @@ class CheckpointingMixin:
     """Checkpoint writing, resuming and preemption for `PPOTrainer` (mixed in before `transformers.Trainer`).
 
     It relies on the trainer's `state`, `control`, `accelerator`, `model`, `data_position`, `_metrics_since_log`,
-    `_policy_loss_sum`, `_skipped_updates` and `_run_identity`.
+    `_policy_loss_sum`, `_skipped_updates`, `kl_coef` and `_run_identity`. It also writes the trained models
+    (`save_model`).
     """
 
     def _exportable_callbacks(self) -> list:
@@ -238,6 +246,7 @@ class CheckpointingMixin:
                 "metrics_since_log": self._metrics_since_log.state_dict(),
                 "policy_loss_sum": self._policy_loss_sum,
                 "skipped_updates": self._skipped_updates,
+                "kl_coef": self.kl_coef,
                 "identity": self._run_identity,
             },
         }
@@ -314,7 +323,8 @@ class CheckpointingMixin:
             )
         wrapper = self.accelerator.unwrap_model(self.model)
         load_weights_into(wrapper.policy, path)
-        load_weights_into(wrapper.value_model, os.path.join(path, "value_model"))
+        if wrapper.value_model is not None:
+            load_weights_into(wrapper.value_model, os.path.join(path, "value_model"))
         self._load_optimizer_and_scheduler(path)
         self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self._restore_callback_states()
@@ -323,6 +333,7 @@ class CheckpointingMixin:
         self._metrics_since_log.load_state_dict(saved["metrics_since_log"])
         self._policy_loss_sum = saved["policy_loss_sum"]
         self._skipped_updates = saved["skipped_updates"]
+        self.kl_coef = saved["kl_coef"]
         self._last_checkpoint = (self.state.global_step, path)
         load_rng_state(path, self.accelerator.process_index)
         logger.warning(f"Resuming from {path}: update {self.state.global_step}, episode {self.state.episode}.")
@@ -355,3 +366,38 @@ class CheckpointingMixin:
             f"checkpoint: {path}. Resume with `train(resume_from_checkpoint=True)`."
         )
         raise SystemExit(0)
+
+    # ---------------------------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the policy (or its PEFT adapter) and tokenizer in the Hugging Face format; checkpoints and
+        `save_value_model=True` also write a separate value model to `<output_dir>/value_model`. A shared value
+        head is always written, as `value_head.safetensors` beside the policy."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if _internal_call or self.args.save_value_model:
+            self._save_value_model(os.path.join(output_dir, "value_model"))
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # `Trainer.save_model` passes the wrapper's state dict (policy. / value_model. keys) or None.
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        policy = self.accelerator.unwrap_model(self.model).policy
+        if state_dict is not None:
+            state_dict = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
+        os.makedirs(output_dir, exist_ok=True)
+        policy.save_pretrained(output_dir, state_dict=state_dict)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_value_model(self, output_dir: str) -> None:
+        value_model = self.accelerator.unwrap_model(self.model).value_model
+        if value_model is None:  # a value head, saved with the policy
+            return
+        state_dict = None
+        if self.is_deepspeed_enabled:
+            full = self.accelerator.get_state_dict(self.model)
+            state_dict = {k[len("value_model.") :]: v for k, v in full.items() if k.startswith("value_model.")}
+        if self.args.should_save:
+            value_model.save_pretrained(output_dir, state_dict=state_dict)

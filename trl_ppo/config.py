@@ -152,6 +152,25 @@ class PPOConfig(OnPolicyConfig):
             "never negative). See http://joschu.net/blog/kl-approx.html."
         },
     )
+    kl_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "Adaptive KL control (Ziegler et al. 2019): the per-sequence KL (`objective/kl`) to aim for. "
+            "When set, the coefficient starts at `kl_coef` and after each update is multiplied by "
+            "1 + clip(KL / kl_target - 1, -0.2, 0.2) * batch_size / kl_horizon. None keeps `kl_coef` fixed."
+        },
+    )
+    kl_horizon: int = field(
+        default=10000,
+        metadata={"help": "Adaptive KL control: episodes over which the coefficient moves by the clipped error."},
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "One weight per reward (in the order of `reward_model` when it is a list); the score is the "
+            "weighted sum of the rewards. Defaults to 1.0 for each."
+        },
+    )
     cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy probability ratio."})
     vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value function."})
@@ -248,6 +267,13 @@ def validate_config(args: OnPolicyConfig) -> None:
             fail(f"Unknown `kl_estimator` {args.kl_estimator!r}: use 'k1' or 'k3'.")
         if args.num_ppo_epochs < 1:
             fail(f"`num_ppo_epochs` must be at least 1, got {args.num_ppo_epochs}.")
+        if args.kl_target is not None:
+            if not args.kl_target > 0:
+                fail(f"`kl_target` must be > 0 (or None to keep `kl_coef` fixed), got {args.kl_target}.")
+            if not args.kl_coef > 0:
+                fail(f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`; got {args.kl_coef}.")
+        if args.kl_horizon < 1:
+            fail(f"`kl_horizon` must be at least 1, got {args.kl_horizon}.")
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(args, name) <= 1.0:
                 fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")

@@ -9,7 +9,7 @@ import torch
 from .rollout import Rollout
 
 # Reported as of the latest update; every other metric is averaged over the updates since the last log.
-LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates")
+LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates", "objective/kl_coef")
 
 
 @torch.no_grad()
@@ -18,6 +18,7 @@ def update_metrics(
     kl: torch.Tensor,
     non_score_rewards: torch.Tensor,
     update_stats: dict[str, torch.Tensor],
+    scores_per_reward: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
     accelerator,
     eos_token_id: int | None,
     stop_token_id: int | None,
@@ -25,7 +26,7 @@ def update_metrics(
     """PPOv2's metrics for one update, averaged (counts: summed) over all processes.
 
     kl, non_score_rewards `[B, T]` (zero on padding); update_stats maps a metric name to its values per
-    micro-batch `[n]`.
+    micro-batch `[n]`; scores_per_reward maps a reward name to `(scores [B], present [B] or None)`.
     """
     mask = rollout.response_mask
     non_score_reward = non_score_rewards.sum(1).mean()
@@ -46,6 +47,23 @@ def update_metrics(
     metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
     num_eos = ((rollout.responses == eos_token_id) & mask).sum() if eos_token_id is not None else mask.new_zeros(())
     metrics["val/num_eos_tokens"] = accelerator.gather(num_eos.reshape(1).long()).sum().item()
+    metrics.update(reward_metrics(scores_per_reward, accelerator))
+    return metrics
+
+
+def reward_metrics(scores_per_reward: dict, accelerator) -> dict[str, float]:
+    """`objective/scores/<name>`: each reward's mean over the episodes it scored, over all processes; for a
+    reward function also `objective/missing_scores/<name>`, the number of episodes it returned None for."""
+    metrics = {}
+    for name, (scores, present) in scores_per_reward.items():
+        scored = torch.ones_like(scores, dtype=torch.bool) if present is None else present
+        local = torch.stack([scores.float().masked_fill(~scored, 0.0).sum(), scored.sum().float()])
+        local = torch.cat([local, local.new_tensor([scores.numel()])])
+        total, count, episodes = accelerator.gather(local.unsqueeze(0)).sum(0).tolist()
+        if count > 0:
+            metrics[f"objective/scores/{name}"] = total / count
+        if present is not None:
+            metrics[f"objective/missing_scores/{name}"] = int(episodes - count)
     return metrics
 
 

@@ -14,6 +14,8 @@ import copy
 import torch
 from torch import nn
 
+from .value_head import is_value_head_model
+
 try:  # peft is a dependency, but keep `import trl_ppo` working without it
     from peft import PeftModel, get_peft_model
 except ImportError:  # pragma: no cover
@@ -117,24 +119,50 @@ def check_scalar_head_model(model: nn.Module, role: str) -> None:
 
 
 class PolicyAndValueWrapper(nn.Module):
-    """Holds the trained policy and value model as one module, so that one optimizer, one `accelerator.prepare`
-    and one checkpoint cover both."""
+    """Holds the trained policy and value function as one module, so that one optimizer, one
+    `accelerator.prepare` and one checkpoint cover both.
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module) -> None:
+    Either `value_model` is a separate sequence-classification model, or it is None and `policy` is an
+    `AutoModelForCausalLMWithValueHead` whose head gives the values in the same forward pass as the logits.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None) -> None:
         super().__init__()
+        if value_model is None and not is_value_head_model(policy):
+            raise TypeError("Without a `value_model` the policy must be an `AutoModelForCausalLMWithValueHead`.")
         self.policy = policy
         self.value_model = value_model
         self.config = policy.config  # read by `transformers.Trainer`
 
+    @property
+    def lm(self) -> nn.Module:
+        """The causal LM that samples (the policy without its value head)."""
+        return causal_lm(self.policy)
+
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.policy.gradient_checkpointing_enable(**kwargs)
-        self.value_model.gradient_checkpointing_enable(**kwargs)
+        if self.value_model is not None:
+            self.value_model.gradient_checkpointing_enable(**kwargs)
 
     def forward(self, input_ids, attention_mask, response_length: int, temperature: float):
-        """-> (policy logits for the response `[B, T, V]`, values for the response `[B, T]`)."""
+        """-> (policy logits for the response `[B, T, V]`, values for the response `[B, T]`, float32)."""
+        if self.value_model is None:  # one forward pass for both
+            output = self.policy(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                logits_to_keep=response_length + 1,
+                use_cache=False,
+            )
+            return output.logits[:, :-1] / temperature, output.value[:, :-1].float()
         logits = policy_response_logits(self.policy, input_ids, attention_mask, response_length, temperature)
         values = scalar_head_outputs(self.value_model, input_ids, attention_mask)
         return logits, values[:, -response_length - 1 : -1]
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The causal LM inside an `AutoModelForCausalLMWithValueHead`, or `model` itself."""
+    return model.pretrained_model if is_value_head_model(model) else model
 
 
 def add_peft_adapter(policy: nn.Module, peft_config) -> nn.Module:
@@ -150,7 +178,8 @@ def add_peft_adapter(policy: nn.Module, peft_config) -> nn.Module:
 
 
 def is_peft_model(model: nn.Module) -> bool:
-    return PeftModel is not None and isinstance(model, PeftModel)
+    """Whether `model` (or the causal LM inside a value-head model) is a `peft.PeftModel`."""
+    return PeftModel is not None and isinstance(causal_lm(model), PeftModel)
 
 
 def create_reference_model(policy: nn.Module) -> nn.Module:
@@ -179,28 +208,35 @@ def gradient_checkpointing_kwargs(args) -> dict | None:
     return args.gradient_checkpointing_kwargs or {"use_reentrant": False}
 
 
-def prepare_models(policy, ref_model, value_model, reward_model, peft_config=None, checkpointing_kwargs=None):
+def prepare_models(policy, ref_model, value_model, reward_models, peft_config=None, checkpointing_kwargs=None):
     """Make the models ready for PPO -> (policy, ref_model).
 
-    Adds the PEFT adapter when `peft_config` is given; without a `ref_model`, the reference is a frozen copy of
-    the policy, or None for a PEFT policy (its adapter is disabled instead); dropout is turned off in every
+    `policy` is a causal LM or an `AutoModelForCausalLMWithValueHead` (then `value_model` is None). Adds the PEFT
+    adapter to the causal LM when `peft_config` is given; without a `ref_model`, the reference is a frozen copy
+    of the causal LM, or None for a PEFT policy (its adapter is disabled instead); dropout is turned off in every
     model; gradient checkpointing is enabled on the trained models when `checkpointing_kwargs` is not None.
     """
-    if ref_model is not None and not is_peft_model(policy) and peft_config is None:
-        if any(p is q for p, q in zip(ref_model.parameters(), policy.parameters())):
+    lm = causal_lm(policy)
+    if ref_model is not None and not is_peft_model(lm) and peft_config is None:
+        if any(p is q for p, q in zip(ref_model.parameters(), lm.parameters())):
             raise ValueError("`ref_model` shares its weights with `model`: pass a separate copy, or `None`.")
     if peft_config is not None:
-        policy = add_peft_adapter(policy, peft_config)
-    if ref_model is None and not is_peft_model(policy):
-        ref_model = create_reference_model(policy)
-    for module in (policy, value_model, ref_model, reward_model):
+        lm = add_peft_adapter(lm, peft_config)
+        if is_value_head_model(policy):
+            policy.pretrained_model = lm
+        else:
+            policy = lm
+    if ref_model is None and not is_peft_model(lm):
+        ref_model = create_reference_model(lm)
+    for module in (policy, value_model, ref_model, *reward_models):
         if isinstance(module, nn.Module):
             disable_dropout(module)
     if checkpointing_kwargs is not None:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
-        value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
-        if is_peft_model(policy):
-            policy.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need an input grad
+        for module in (policy, value_model):
+            if module is not None:
+                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+        if is_peft_model(lm):
+            lm.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need an input grad
     return policy, ref_model
 
 
@@ -225,5 +261,5 @@ def check_vocabularies(tokenizer, models: dict[str, nn.Module | None]) -> None:
                 f"`{role}` has {size} token embeddings but the tokenizer has {len(tokenizer)} tokens, so some token "
                 f"ids would be out of range. If you added tokens (e.g. a pad token), call "
                 f"`{role}.resize_token_embeddings(len(tokenizer))`; a reward model from another model family needs "
-                "its own tokenizer: score with a reward function that re-tokenizes the decoded text."
+                "its own tokenizer: pass it as `reward_processing_class`, and the decoded text is re-encoded for it."
             )

@@ -131,6 +131,17 @@ def per_token_rewards(
     return rewards, non_score_rewards
 
 
+def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: int, num_episodes: int) -> float:
+    """The KL coefficient after one update under adaptive KL control (Ziegler et al. 2019, section 2.2).
+
+    error = clip(kl / kl_target - 1, -0.2, 0.2);   kl_coef <- kl_coef * (1 + error * num_episodes / kl_horizon)
+    `kl` is the mean per-sequence KL of the update, `num_episodes` the episodes it used: the coefficient grows
+    when the policy drifts past the target and shrinks when it stays closer.
+    """
+    error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * num_episodes / kl_horizon)
+
+
 # ------------------------------------------------------------------------------------------------- advantages
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float

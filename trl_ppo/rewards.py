@@ -1,37 +1,97 @@
-"""Scores: one number per episode, from a reward model or a reward function.
+"""Scores: one number per episode, from any mix of reward models and reward functions.
 
-Every reward sits behind one signature: a rollout (plus decoded text) in, `[B]` scores out.
-* A reward model is a sequence-classification model; it is read at the last response token.
-* A reward function is any callable `f(prompts: list[str], completions: list[str], **columns) -> list[float]`.
+Every reward sits behind one signature: a rollout (plus decoded text and the batch's other columns) in,
+`[B]` scores out.
+* A reward model is a sequence-classification model read at the last response token. With its own tokenizer
+  (`reward_processing_class`) the decoded prompt and completion are re-encoded for it (through its chat
+  template for conversational prompts); otherwise it reads the policy's token ids.
+* A reward function is any callable `f(prompts, completions, **columns) -> list[float | None]`, plain or
+  `async`; `None` means "no score" for that completion.
+Several rewards are combined as a weighted sum (`reward_weights`); a missing score counts as 0 in that sum.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from . import ppo
+from .data import is_conversational
 from .models import check_scalar_head_model, scalar_head_outputs
 from .rollout import Rollout, chunks
 
-RewardFunction = Callable[..., list[float]]
+RewardFunction = Callable[..., list]
 
 
-def check_reward(reward: Any) -> None:
-    """Fail before training when `reward` is neither a scoring model nor a callable."""
-    if isinstance(reward, nn.Module):
-        check_scalar_head_model(reward, "reward model")
-    elif not callable(reward):
-        raise TypeError(
-            f"`reward_model` must be a sequence-classification model or a callable "
-            f"`f(prompts, completions, **columns) -> list[float]`, got {type(reward).__name__}."
-        )
+@dataclass
+class Reward:
+    """One reward source with its name (for logs), weight and, for a model, an optional own tokenizer."""
+
+    source: Any  # nn.Module or callable
+    name: str
+    weight: float = 1.0
+    tokenizer: Any = None
+
+    @property
+    def is_model(self) -> bool:
+        return isinstance(self.source, nn.Module)
 
 
 def reward_name(reward: Any) -> str:
     return getattr(reward, "__name__", None) or type(reward).__name__
+
+
+def build_rewards(reward_model, reward_weights=None, reward_processing_class=None) -> list[Reward]:
+    """Check and name the rewards given as `reward_model` (one, or a list mixing models and callables)."""
+    sources = list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model]
+    if not sources:
+        raise ValueError("`reward_model` is an empty list: give at least one reward model or function.")
+    for source in sources:
+        if isinstance(source, nn.Module):
+            check_scalar_head_model(source, "reward model")
+        elif not callable(source):
+            raise TypeError(
+                f"`reward_model` must be a sequence-classification model or a callable "
+                f"`f(prompts, completions, **columns) -> list[float]` (or a list of those), got "
+                f"{type(source).__name__}."
+            )
+    weights = [1.0] * len(sources) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(sources):
+        raise ValueError(f"`reward_weights` has {len(weights)} values for {len(sources)} rewards: give one per reward.")
+    models = [source for source in sources if isinstance(source, nn.Module)]
+    tokenizers = _tokenizers_per_model(reward_processing_class, len(models))
+    names, rewards = set(), []
+    for source, weight in zip(sources, weights):
+        name = base = reward_name(source)
+        suffix = 2
+        while name in names:  # two rewards of the same class or name
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        names.add(name)
+        tokenizer = tokenizers.pop(0) if isinstance(source, nn.Module) else None
+        rewards.append(Reward(source, name, float(weight), tokenizer))
+    return rewards
+
+
+def _tokenizers_per_model(reward_processing_class, num_models: int) -> list:
+    if reward_processing_class is None:
+        return [None] * num_models
+    if not isinstance(reward_processing_class, (list, tuple)):
+        reward_processing_class = [reward_processing_class]
+    if len(reward_processing_class) != num_models:
+        raise ValueError(
+            f"`reward_processing_class` has {len(reward_processing_class)} tokenizers for {num_models} reward "
+            "models: give one per reward model, in the same order (None for one that shares the policy's)."
+        )
+    for tokenizer in reward_processing_class:
+        if tokenizer is not None and tokenizer.pad_token_id is None:
+            raise ValueError("A `reward_processing_class` tokenizer has no pad token: set one before training.")
+    return list(reward_processing_class)
 
 
 def decode_texts(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
@@ -39,67 +99,135 @@ def decode_texts(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     return [tokenizer.decode(row[keep], skip_special_tokens=True) for row, keep in zip(ids, mask.bool())]
 
 
+# ------------------------------------------------------------------------------------------- reward models
 @torch.no_grad()
 def reward_model_scores(reward_model: nn.Module, rollout: Rollout, chunk_size: int) -> torch.Tensor:
     """Reward model output at the last response token (the stop token when there is one). -> `[B]`."""
     last_index = rollout.queries.size(1) + rollout.response_mask.long().sum(-1).clamp(min=1) - 1
-    input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
+    return _scores_at(reward_model, rollout.input_ids, rollout.attention_mask, last_index, chunk_size)
+
+
+@torch.no_grad()
+def retokenized_scores(
+    reward_model: nn.Module, tokenizer, texts: list[str], chunk_size: int, device, add_special_tokens: bool = True
+) -> torch.Tensor:
+    """Score whole texts encoded with the reward model's own tokenizer, read at each text's last token."""
+    encoded = tokenizer(
+        texts, padding=True, return_tensors="pt", padding_side="right", add_special_tokens=add_special_tokens
+    )
+    input_ids, attention_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    return _scores_at(reward_model, input_ids, attention_mask, attention_mask.sum(-1) - 1, chunk_size)
+
+
+def _scores_at(model, input_ids, attention_mask, index, chunk_size: int) -> torch.Tensor:
     scores = []
     for part in chunks(input_ids.size(0), chunk_size):
-        outputs = scalar_head_outputs(reward_model, input_ids[part], attention_mask[part])
-        scores.append(outputs.gather(1, last_index[part].unsqueeze(1)).squeeze(1))
-    return torch.cat(scores)
+        outputs = scalar_head_outputs(model, input_ids[part], attention_mask[part])
+        scores.append(outputs.gather(1, index[part].unsqueeze(1)).squeeze(1))
+    return torch.cat(scores).float()
+
+
+def texts_for_reward_tokenizer(tokenizer, texts: list[str], completions: list[str], prompt_column) -> list[str]:
+    """What a reward model with its own tokenizer reads: the conversation rendered with that tokenizer's chat
+    template when the prompts are chat messages (and it has a template), else `texts`, the prompt and response
+    decoded together by the policy's tokenizer."""
+    if uses_chat_template(tokenizer, prompt_column):
+        return [
+            tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}], tokenize=False)
+            for messages, completion in zip(prompt_column, completions)
+        ]
+    return texts
+
+
+def uses_chat_template(tokenizer, prompt_column) -> bool:
+    """Whether conversational prompts are rendered with `tokenizer`'s chat template (which writes its own
+    special tokens, so none are added again when encoding)."""
+    return bool(prompt_column) and is_conversational(prompt_column[0]) and tokenizer.chat_template is not None
+
+
+# ---------------------------------------------------------------------------------------- reward functions
+def call_reward_function(reward_function: RewardFunction, **kwargs) -> list:
+    """Call a reward function; an `async` one (e.g. an HTTP judge scoring completions concurrently) is awaited."""
+    result = reward_function(**kwargs)
+    if inspect.isawaitable(result):
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop running here: the usual case
+            return asyncio.run(_await(result))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # inside a notebook's running loop
+            return pool.submit(asyncio.run, _await(result)).result()
+    return result
+
+
+async def _await(awaitable):
+    return await awaitable
 
 
 def reward_function_scores(
-    reward_function: RewardFunction, prompts: list[str], completions: list[str], columns: dict[str, list], device
-) -> torch.Tensor:
-    """Call a reward function and check its answer. -> `[B]` float32."""
-    name = reward_name(reward_function)
-    values = list(reward_function(prompts=prompts, completions=completions, **columns))
+    reward_function: RewardFunction, name: str, prompts: list[str], completions: list[str], columns: dict, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (scores `[B]` with 0 where missing, present `[B]` bool: False where the function returned None)."""
+    values = list(call_reward_function(reward_function, prompts=prompts, completions=completions, **columns))
     if len(values) != len(completions):
         raise ValueError(
             f"Reward function {name!r} returned {len(values)} scores for {len(completions)} completions: it must "
-            "return one float per completion."
+            "return one float (or None) per completion."
         )
-    if any(value is None for value in values):
-        raise ValueError(f"Reward function {name!r} returned None: it must return one float per completion.")
-    return torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+    present = torch.tensor([value is not None for value in values], dtype=torch.bool, device=device)
+    scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32, device=device)
+    return scores, present
 
 
-def check_finite_scores(scores: torch.Tensor, reward: Any) -> torch.Tensor:
+def check_finite_scores(scores: torch.Tensor, name: str) -> None:
     """Raise, naming the reward, when a score is NaN or infinite (it would poison every later update)."""
     bad = ~torch.isfinite(scores)
     if bool(bad.any()):
         raise ValueError(
-            f"Reward {reward_name(reward)!r} returned {int(bad.sum())} non-finite score(s) out of {scores.numel()} "
+            f"Reward {name!r} returned {int(bad.sum())} non-finite score(s) out of {scores.numel()} "
             f"(first: {scores[bad][0].item()}): make it return finite floats."
         )
-    return scores
 
 
+# ----------------------------------------------------------------------------------------------- combined
 def compute_scores(
-    reward: Any,
+    rewards: list[Reward],
     rollout: Rollout,
     tokenizer,
     columns: dict[str, list],
     chunk_size: int,
     penalty_token_id: int | None,
     missing_eos_penalty: float | None,
-) -> torch.Tensor:
-    """Score every episode of `rollout`; subtract `missing_eos_penalty` from those without `penalty_token_id`
-    (the stop token, or EOS without one). -> `[B]` float32.
+) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Score every episode of `rollout` with every reward.
 
-    `columns` are the dataset's other columns for this batch, passed to reward functions as keyword lists.
+    Returns the combined scores `[B]` (weighted sum, minus `missing_eos_penalty` for responses without
+    `penalty_token_id`) and, per reward name, `(scores [B], present [B])`: `present` is False where a reward
+    function returned None (its score then counts as 0 in the sum), and None for a reward model.
+    `columns` are the batch's other dataset columns, passed to reward functions as keyword lists.
     """
-    if isinstance(reward, nn.Module):
-        scores = reward_model_scores(reward, rollout, chunk_size).float()
-    else:
+    device = rollout.responses.device
+    prompt_column = columns.get("prompt")
+    if any(not reward.is_model or reward.tokenizer is not None for reward in rewards):
         prompts = decode_texts(tokenizer, rollout.queries, rollout.query_mask)
         completions = decode_texts(tokenizer, rollout.responses, rollout.response_mask)
-        scores = reward_function_scores(reward, prompts, completions, columns, rollout.responses.device)
-    check_finite_scores(scores, reward)
+    per_reward = {}
+    for reward in rewards:
+        present = None  # a reward model scores every episode
+        if reward.is_model and reward.tokenizer is None:
+            scores = reward_model_scores(reward.source, rollout, chunk_size)
+        elif reward.is_model:
+            full_texts = decode_texts(tokenizer, rollout.input_ids, rollout.attention_mask)
+            texts = texts_for_reward_tokenizer(reward.tokenizer, full_texts, completions, prompt_column)
+            templated = uses_chat_template(reward.tokenizer, prompt_column)  # the template wrote special tokens
+            scores = retokenized_scores(
+                reward.source, reward.tokenizer, texts, chunk_size, device, add_special_tokens=not templated
+            )
+        else:
+            scores, present = reward_function_scores(reward.source, reward.name, prompts, completions, columns, device)
+        check_finite_scores(scores if present is None else scores[present], reward.name)
+        per_reward[reward.name] = (scores, present)
+    combined = sum(reward.weight * per_reward[reward.name][0] for reward in rewards)
     if missing_eos_penalty is not None and penalty_token_id is not None:
         has_stop = ppo.contains_stop_token(rollout.responses, rollout.response_mask, penalty_token_id)
-        scores = ppo.apply_missing_eos_penalty(scores, has_stop, missing_eos_penalty)
-    return scores
+        combined = ppo.apply_missing_eos_penalty(combined, has_stop, missing_eos_penalty)
+    return combined, per_reward

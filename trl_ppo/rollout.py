@@ -7,6 +7,7 @@ response ids out); a faster backend is a new function of that shape, not a new t
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,11 @@ class Rollout:
     ref_logprobs: torch.Tensor | None = None  # [B, T] log pi_ref
     values: torch.Tensor | None = None  # [B, T] V(s_t) before each response token (0 on padding)
     scores: torch.Tensor | None = None  # [B] sequence-level score, EOS penalty included
+
+    @property
+    def response_length(self) -> int:
+        """`T`, the width of `responses` (the longest response, or `response_length` when sampled here)."""
+        return self.responses.size(1)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -94,6 +100,63 @@ def sample_responses(
         padding = responses.new_full((batch_size, response_length - responses.size(1)), pad_token_id)
         responses = torch.cat([responses, padding], dim=1)
     return responses
+
+
+@torch.no_grad()
+def generate_with_transformers(
+    model: nn.Module,
+    queries: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    stop_token_id: int | None,
+    pad_token_id: int,
+    **generation_kwargs,
+) -> torch.Tensor:
+    """`sample_responses` through `model.generate`, for sampling options the KV-cache loop does not have
+    (top-k, top-p, repetition penalty, ...). -> `[B, response_length]`, padded after the stop token.
+
+    Note that PPO then computes log-probabilities under the plain softmax(logits / temperature), not under the
+    modified distribution that these options sample from."""
+    generation_kwargs.setdefault("do_sample", True)
+    output = model.generate(
+        input_ids=queries,
+        attention_mask=query_mask.long(),
+        max_new_tokens=response_length,
+        min_new_tokens=0,
+        temperature=temperature,
+        eos_token_id=stop_token_id,
+        pad_token_id=pad_token_id,
+        **generation_kwargs,
+    )
+    responses = ppo.truncate_after_stop_token(output[:, queries.size(1) :], stop_token_id, pad_token_id)
+    padding = responses.new_full((responses.size(0), response_length - responses.size(1)), pad_token_id)
+    return torch.cat([responses, padding], dim=1)
+
+
+# generate() keyword arguments that plain sampling from softmax(logits / temperature) already satisfies.
+_PLAIN_SAMPLING = {"do_sample": (True,), "top_k": (0, None), "top_p": (1.0, None), "min_length": (-1, 0, None)}
+
+
+def generation_backend(generation_kwargs: dict, response_length: int, temperature: float, stop_token_id):
+    """-> (sampling function, its keyword arguments) for `generate()`-style kwargs.
+
+    `max_new_tokens`, `temperature` and `eos_token_id` (the stop token) override the run's settings; options
+    that plain sampling already means (`do_sample=True`, `top_k=0`, `top_p=1.0`, `min_length=-1`, `pad_token_id`)
+    are dropped; with any other option the sampling goes through `transformers`' `generate`."""
+    kwargs = dict(generation_kwargs)
+    settings = {
+        "response_length": kwargs.pop("max_new_tokens", response_length),
+        "temperature": kwargs.pop("temperature", temperature),
+        "stop_token_id": kwargs.pop("eos_token_id", stop_token_id),
+    }
+    kwargs.pop("pad_token_id", None)  # always the tokenizer's: the masks are built from it
+    for name, no_op_values in _PLAIN_SAMPLING.items():
+        if name in kwargs and kwargs[name] in no_op_values:
+            kwargs.pop(name)
+    if kwargs:
+        return functools.partial(generate_with_transformers, **kwargs), settings
+    return sample_responses, settings
 
 
 @contextlib.contextmanager

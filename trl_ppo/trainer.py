@@ -21,7 +21,7 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import ppo
 from .checkpoint import CheckpointingMixin
-from .completions import log_completions_to_wandb, print_completions_table
+from .completions import CompletionsMixin
 from .config import OnPolicyConfig, PPOConfig, compute_batch_sizes, validate_config
 from .data import LeftPaddingCollator, SharedOrderBatchSampler, fit_prompts, prepare_prompt_dataset
 from .metrics import MetricsSinceLog, update_metrics
@@ -37,13 +37,21 @@ from .models import (
     policy_response_logits,
     prepare_models,
 )
-from .rewards import check_reward, compute_scores, decode_texts
-from .rollout import Rollout, chunks, masked_response_logprobs, sample_responses, unwrap_for_generation
+from .rewards import build_rewards, compute_scores, decode_texts
+from .rollout import (
+    Rollout,
+    chunks,
+    generation_backend,
+    masked_response_logprobs,
+    unwrap_for_generation,
+)
+from .step_api import StepAPIMixin
+from .value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
 
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(CheckpointingMixin, Trainer):
+class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -52,16 +60,21 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         model: the policy, a causal LM.
         ref_model: the reference policy; `None` makes a frozen copy of `model`, or with PEFT uses `model` with
             its adapter disabled (no second copy of the weights).
-        reward_model: a sequence-classification model with a scalar `score` head, or a callable
-            `f(prompts, completions, **columns) -> list[float]`.
-        train_dataset: prompts, as `input_ids` or as a `prompt` column (text or chat messages).
-        value_model: a sequence-classification model with one label, trained alongside the policy.
+        reward_model: a sequence-classification model with a scalar `score` head, a callable
+            `f(prompts, completions, **columns) -> list[float | None]` (plain or async), or a list mixing them
+            (combined with `args.reward_weights`).
+        train_dataset: prompts, as `input_ids` or as a `prompt` column (text or chat messages). Only `step()`
+            works without one (then set `args.total_episodes`).
+        value_model: a sequence-classification model with one label, trained alongside the policy; `None` gives
+            the policy a value head on its own backbone (`AutoModelForCausalLMWithValueHead`).
         data_collator: defaults to left-padding of `input_ids`.
         eval_dataset: prompts for the sample completions tables.
         optimizers: `(optimizer, lr_scheduler)`; by default AdamW and the `lr_scheduler_type` schedule, stepped
             once per PPO update.
         callbacks: extra `TrainerCallback`s.
         peft_config: a `peft.PeftConfig` to train an adapter instead of the whole policy.
+        reward_processing_class: a tokenizer per reward model (same order; None for one sharing the policy's):
+            the decoded prompt and response are re-encoded with it before that model scores them.
     """
 
     _tag_names = ["trl_ppo", "ppo"]
@@ -73,13 +86,14 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         model: nn.Module,
         ref_model: nn.Module | None,
         reward_model,
-        train_dataset,
+        train_dataset=None,
         value_model: nn.Module | None = None,
         data_collator=None,
         eval_dataset=None,
         optimizers: tuple = (None, None),
         callbacks: list[TrainerCallback] | None = None,
         peft_config=None,
+        reward_processing_class=None,
     ) -> None:
         # Everything that can be checked without compute is checked first.
         if not isinstance(args, OnPolicyConfig):
@@ -91,13 +105,17 @@ class PPOTrainer(CheckpointingMixin, Trainer):
                 "`tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (resize the model's embeddings if the "
                 "new id is outside them) or `tokenizer.pad_token = tokenizer.eos_token`."
             )
+        rewards = build_rewards(reward_model, args.reward_weights, reward_processing_class)
         if value_model is None:
+            if not is_value_head_model(model):
+                model = AutoModelForCausalLMWithValueHead(model)
+        elif is_value_head_model(model):
             raise ValueError(
-                "`value_model` is required: pass a sequence-classification model with one label, e.g. "
-                "`AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`."
+                "`model` has a value head and a separate `value_model` was given too: pass `value_model=None` to "
+                "use the head, or a plain causal LM with the value model."
             )
-        check_scalar_head_model(value_model, "value model")
-        check_reward(reward_model)
+        else:
+            check_scalar_head_model(value_model, "value model")
         self.stop_token_id = args.stop_token_id
         if args.stop_token == "eos":
             self.stop_token_id = processing_class.eos_token_id
@@ -108,28 +126,34 @@ class PPOTrainer(CheckpointingMixin, Trainer):
                 "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
                 "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
             )
-        fingerprints = {
-            "policy": model,
-            "ref_model": ref_model,
-            "value_model": value_model,
-            "reward_model": reward_model,
-        }
+        fingerprints = {"policy": model, "ref_model": ref_model, "value_model": value_model}
+        fingerprints.update({f"reward:{reward.name}": reward.source for reward in rewards if reward.is_model})
         fingerprints = {name: ckpt.model_fingerprint(module) for name, module in fingerprints.items()}
         model, ref_model = prepare_models(
-            model, ref_model, value_model, reward_model, peft_config, gradient_checkpointing_kwargs(args)
+            model,
+            ref_model,
+            value_model,
+            [reward.source for reward in rewards],
+            peft_config,
+            gradient_checkpointing_kwargs(args),
         )
         self.is_peft_model = is_peft_model(model)
-
-        check_vocabularies(
-            processing_class,
-            {"model": model, "ref_model": ref_model, "value_model": value_model, "reward_model": reward_model},
-        )
+        policy_id_readers = {"model": model, "ref_model": ref_model, "value_model": value_model}
+        for i, reward in enumerate(rewards):  # the reward models that read the policy's token ids
+            if reward.is_model and reward.tokenizer is None:
+                policy_id_readers["reward_model" if len(rewards) == 1 else f"reward_model[{i}]"] = reward.source
+        check_vocabularies(processing_class, policy_id_readers)
 
         # Data.
         train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args.dataset_num_proc)
         eval_dataset = prepare_prompt_dataset(eval_dataset, processing_class, args.dataset_num_proc)
-        if train_dataset is None or len(train_dataset) == 0:
+        if train_dataset is not None and len(train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: PPO needs prompts to sample from.")
+        if train_dataset is None and args.total_episodes is None:
+            raise ValueError(
+                "Without a `train_dataset` (the `step()` API), set `total_episodes`: it fixes the number of updates "
+                "that the learning-rate schedule spans."
+            )
         context = context_length(model)
         train_dataset = fit_prompts(
             train_dataset, args.max_prompt_length, args.response_length, context, "train_dataset"
@@ -151,10 +175,10 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         )
         if use_cache is not None:  # `Trainer` sets it from `args.use_cache`; keep the saved policy's own value
             model.config.use_cache = use_cache
-        compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset))
+        compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset or ()))
         self._run_identity = ckpt.run_identity(args, {})
         self._run_identity.update({f"{name}_fingerprint": value for name, value in fingerprints.items()})
-        if len(train_dataset) < args.batch_size:
+        if train_dataset is not None and len(train_dataset) < args.batch_size:
             raise ValueError(
                 f"`train_dataset` has {len(train_dataset)} prompts, fewer than one batch (`batch_size` = "
                 f"{args.batch_size} = per_device_train_batch_size * gradient_accumulation_steps * world_size): "
@@ -164,17 +188,20 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         # Frozen models live on the device, outside the optimizer.
         device = self.accelerator.device
         self.ref_model = None if ref_model is None else freeze(ref_model).to(device)
-        self.reward_model = freeze(reward_model).to(device) if isinstance(reward_model, nn.Module) else reward_model
+        for reward in rewards:
+            if reward.is_model:
+                freeze(reward.source).to(device)
+        self.rewards, self.reward_model = rewards, reward_model
+        self.kl_coef = args.kl_coef  # moves under adaptive KL control (`kl_target`)
 
         # Collate a few prompts now, so that a collator that pads on the wrong side fails before any rollout.
-        self._prompts_of(self.data_collator([train_dataset[i] for i in range(min(len(train_dataset), 8))]))
+        if train_dataset is not None:
+            self._prompts_of(self.data_collator([train_dataset[i] for i in range(min(len(train_dataset), 8))]))
 
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        self.train_dataloader = self.get_train_dataloader()
-        self.model, self.optimizer, self.train_dataloader = self.accelerator.prepare(
-            self.model, self.optimizer, self.train_dataloader
-        )
+        self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+        self.train_dataloader = None if train_dataset is None else self.accelerator.prepare(self.get_train_dataloader())
         self.model_wrapped = self.model
         self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
 
@@ -217,6 +244,8 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         a checkpoint is written and the process exits with status 0.
         """
         args = self.args
+        if self.train_dataset is None:
+            raise ValueError("`train()` samples from `train_dataset`, and none was given (use `step()` without one).")
         self._begin_training(self._checkpoint_to_resume(resume_from_checkpoint))
         batches = self._batches_forever()
         with ckpt.PreemptionHandler() as preemption:
@@ -228,14 +257,13 @@ class PPOTrainer(CheckpointingMixin, Trainer):
                 batch = next(batches)
 
                 rollout = self.collect_rollout(batch)
-                rollout.scores = self.score(rollout, batch)
+                rollout.scores, scores_per_reward = self.score(rollout, batch)
                 advantages, returns, reward_stats = self.compute_advantages(rollout)
                 if self._stop_requested(preemption):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
                 update_stats = self.ppo_update(rollout, advantages, returns)
 
-                self.state.episode += args.batch_size
-                self._end_update(rollout, reward_stats, update_stats)
+                self._end_update(rollout, reward_stats, update_stats, scores_per_reward)
                 if self._stop_requested(preemption):
                     self._exit_after_checkpoint(preemption.requested, None)
                 if self.control.should_training_stop:
@@ -244,18 +272,23 @@ class PPOTrainer(CheckpointingMixin, Trainer):
 
     def collect_rollout(self, batch: dict) -> Rollout:
         """Sample one response per prompt, then compute logprobs, ref_logprobs and values (no gradients)."""
-        args = self.args
         queries, query_mask = self._prompts_of(batch)
         responses = self._sample(queries, query_mask)
         rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
+        return self.add_logprobs_and_values(rollout)
 
+    @torch.no_grad()
+    def add_logprobs_and_values(self, rollout: Rollout) -> Rollout:
+        """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout, in chunks of
+        `local_rollout_forward_batch_size` episodes."""
+        args = self.args
         wrapper = self.accelerator.unwrap_model(self.model)
         logprobs, ref_logprobs, values = [], [], []
-        with torch.no_grad(), self.accelerator.autocast():
-            for part in chunks(queries.size(0), args.local_rollout_forward_batch_size):
+        with self.accelerator.autocast():
+            for part in chunks(rollout.queries.size(0), args.local_rollout_forward_batch_size):
                 episodes = rollout.select(part)
                 logits, value = wrapper(
-                    episodes.input_ids, episodes.attention_mask, args.response_length, args.temperature
+                    episodes.input_ids, episodes.attention_mask, episodes.response_length, args.temperature
                 )
                 logprobs.append(masked_response_logprobs(logits, episodes))
                 values.append(value.float().masked_fill(~episodes.response_mask, 0.0))
@@ -265,12 +298,13 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         rollout.values = torch.cat(values)
         return rollout
 
-    def score(self, rollout: Rollout, batch: dict) -> torch.Tensor:
-        """Scores `[B]` from the reward, minus `missing_eos_penalty` for responses without the stop token."""
+    def score(self, rollout: Rollout, batch: dict) -> tuple[torch.Tensor, dict]:
+        """Scores `[B]` (weighted sum of the rewards, minus `missing_eos_penalty` for responses without the stop
+        token) and, per reward name, `(scores [B], present [B] or None)`."""
         columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
         with self.accelerator.autocast(), _name_the_update(self.state.global_step + 1):
             return compute_scores(
-                self.reward_model,
+                self.rewards,
                 rollout,
                 self.processing_class,
                 columns,
@@ -284,7 +318,7 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         args = self.args
         mask = rollout.response_mask
         kl = ppo.kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator).masked_fill(~mask, 0.0)
-        rewards, non_score_rewards = ppo.per_token_rewards(rollout.scores, kl, mask, args.kl_coef)
+        rewards, non_score_rewards = ppo.per_token_rewards(rollout.scores, kl, mask, self.kl_coef)
         if args.whiten_rewards:
             rewards = ppo.masked_whiten(rewards, mask, shift_mean=False).masked_fill(~mask, 0.0)
         advantages, returns = ppo.compute_gae(rewards, rollout.values, mask, args.gamma, args.lam)
@@ -347,7 +381,7 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         args = self.args
         with self.accelerator.autocast():
             logits, new_values = self.model(
-                episodes.input_ids, episodes.attention_mask, args.response_length, args.temperature
+                episodes.input_ids, episodes.attention_mask, episodes.response_length, args.temperature
             )
         new_logprobs = masked_response_logprobs(logits, episodes)
         mask = episodes.response_mask
@@ -382,22 +416,23 @@ class PPOTrainer(CheckpointingMixin, Trainer):
             )
         return queries, query_mask
 
-    def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor) -> torch.Tensor:
+    def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:
+        """Responses `[B, T]` to left-padded prompts, padded after the stop token. `generation_kwargs` can change
+        `max_new_tokens` and `temperature` (and the `eos_token_id` that stops a response); others (top_k, ...)
+        select `transformers`' `generate` as the backend (see `rollout.generation_backend`)."""
         args = self.args
+        sample, settings = generation_backend(
+            generation_kwargs, args.response_length, args.temperature, self.stop_token_id
+        )
         with unwrap_for_generation(self.model, self.accelerator, args.ds3_gather_for_generation) as wrapper:
             was_training = wrapper.training
             wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
             try:
                 with self.accelerator.autocast():
                     responses = [
-                        sample_responses(
-                            wrapper.policy,
-                            queries[part],
-                            query_mask[part],
-                            args.response_length,
-                            args.temperature,
-                            self.stop_token_id,
-                            self.processing_class.pad_token_id,
+                        sample(
+                            wrapper.lm, queries[part], query_mask[part], pad_token_id=self.processing_class.pad_token_id,
+                            **settings,
                         )
                         for part in chunks(queries.size(0), args.local_rollout_forward_batch_size)
                     ]
@@ -407,15 +442,14 @@ class PPOTrainer(CheckpointingMixin, Trainer):
 
     def _reference_logits(self, episodes: Rollout) -> torch.Tensor:
         args = self.args
+        length = episodes.response_length
         if self.ref_model is not None:
             return policy_response_logits(
-                self.ref_model, episodes.input_ids, episodes.attention_mask, args.response_length, args.temperature
+                self.ref_model, episodes.input_ids, episodes.attention_mask, length, args.temperature
             )
-        policy = self.accelerator.unwrap_model(self.model).policy
-        with peft_reference(policy, args.ref_adapter_name, args.model_adapter_name):
-            return policy_response_logits(
-                policy, episodes.input_ids, episodes.attention_mask, args.response_length, args.temperature
-            )
+        lm = self.accelerator.unwrap_model(self.model).lm
+        with peft_reference(lm, args.ref_adapter_name, args.model_adapter_name):
+            return policy_response_logits(lm, episodes.input_ids, episodes.attention_mask, length, args.temperature)
 
     # ------------------------------------------------------------------------------------- state and logging
     def _begin_training(self, checkpoint: str | None) -> None:
@@ -427,43 +461,53 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         self._policy_loss_sum = 0.0
         self._skipped_updates = 0
         self._last_checkpoint = None
+        self.kl_coef = args.kl_coef
         if checkpoint is not None:
             self._restore_checkpoint(checkpoint)
-        self.state.init_training_references(
-            self, args.num_total_batches, args.total_episodes / len(self.train_dataset), None
-        )
+        epochs = args.total_episodes / len(self.train_dataset) if self.train_dataset is not None else 1.0
+        self.state.init_training_references(self, args.num_total_batches, epochs, None)
         self.state.compute_steps(args, args.num_total_batches)
         self._start_time, self._start_episode = time.time(), self.state.episode
         self.model.train()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
 
-    def _end_update(self, rollout: Rollout, reward_stats: dict, update_stats: dict) -> None:
-        """Gather this update's metrics, step the schedule, then log / save as the callbacks decide."""
+    def _end_update(self, rollout: Rollout, reward_stats: dict, update_stats: dict, scores_per_reward: dict) -> dict:
+        """Count the episodes, gather this update's metrics, adapt the KL coefficient, step the schedule, then
+        log / save as the callbacks decide. Returns the update's metrics."""
+        args = self.args
+        self.state.episode += args.batch_size
         metrics = update_metrics(
             rollout,
             reward_stats["kl"],
             reward_stats["non_score_rewards"],
             update_stats,
+            scores_per_reward,
             self.accelerator,
             self.processing_class.eos_token_id,
             self.stop_token_id,
         )
+        metrics["objective/kl_coef"] = self.kl_coef  # the coefficient this update's rewards used
+        if args.kl_target is not None:
+            self.kl_coef = ppo.adaptive_kl_coef(
+                self.kl_coef, metrics["objective/kl"], args.kl_target, args.kl_horizon, args.batch_size
+            )
         metrics["eps"] = int((self.state.episode - self._start_episode) / max(time.time() - self._start_time, 1e-9))
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
         metrics["episode"] = self.state.episode
-        if self.args.skip_nonfinite_updates:
+        if args.skip_nonfinite_updates:
             metrics["loss/skipped_updates"] = self._skipped_updates
         self._metrics_since_log.add(metrics)
         self._policy_loss_sum += metrics.get("loss/policy_avg", 0.0)  # absent when the update was skipped
         self.state.global_step += 1
-        self.state.epoch = self.state.episode / len(self.train_dataset)
+        self.state.epoch = self.state.episode / len(self.train_dataset) if self.train_dataset is not None else 0.0
         self.lr_scheduler.step()
-        self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+        self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         if self.control.should_log:
             self.log(self._metrics_since_log.pop())
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+            self.control = self.callback_handler.on_save(args, self.state, self.control)
+        return metrics
 
     def _end_training(self) -> TrainOutput:
         if self._metrics_since_log:
@@ -480,73 +524,6 @@ class PPOTrainer(CheckpointingMixin, Trainer):
         }
         loss = self._policy_loss_sum / max(self.state.global_step, 1)
         return TrainOutput(self.state.global_step, loss, metrics)
-
-    # ----------------------------------------------------------------------------------------- completions
-    @torch.no_grad()
-    def generate_completions(self, sampling: bool = False) -> list[dict]:
-        """Sample completions for evaluation prompts and show them with their scores.
-
-        With `sampling=True` (during training) only the first `per_device_eval_batch_size` prompts are used;
-        otherwise the whole `eval_dataset` (or, without one, the first prompts of `train_dataset`).
-        Returns the rows shown: `query`, `model response`, `score`.
-        """
-        args = self.args
-        dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
-        count = min(
-            len(dataset), args.per_device_eval_batch_size if sampling or self.eval_dataset is None else len(dataset)
-        )
-        rows = []
-        for part in chunks(count, args.per_device_eval_batch_size):
-            batch = self.data_collator([dataset[i] for i in range(part.start, part.stop)])
-            queries, query_mask = self._prompts_of(batch)
-            responses = self._sample(queries, query_mask)
-            rollout = Rollout(
-                queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id)
-            )
-            scores = self.score(rollout, batch)
-            texts = zip(
-                decode_texts(self.processing_class, queries, query_mask),
-                decode_texts(self.processing_class, responses, rollout.response_mask),
-                scores.tolist(),
-            )
-            rows.extend({"query": q, "model response": r, "score": s} for q, r, s in texts)
-        if self.accelerator.is_main_process:
-            print_completions_table(rows, title=f"Completions at update {self.state.global_step}")
-            if "wandb" in (args.report_to or []):
-                log_completions_to_wandb(rows, step=self.state.global_step)
-        return rows
-
-    # ---------------------------------------------------------------------------------------------- saving
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the policy (or its PEFT adapter) and tokenizer in the Hugging Face format; checkpoints and
-        `save_value_model=True` also write the value model to `<output_dir>/value_model`."""
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        super().save_model(output_dir, _internal_call=_internal_call)
-        if _internal_call or self.args.save_value_model:
-            self._save_value_model(os.path.join(output_dir, "value_model"))
-
-    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        # `Trainer.save_model` passes the wrapper's state dict (policy. / value_model. keys) or None.
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
-            return
-        policy = self.accelerator.unwrap_model(self.model).policy
-        if state_dict is not None:
-            state_dict = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
-        os.makedirs(output_dir, exist_ok=True)
-        policy.save_pretrained(output_dir, state_dict=state_dict)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-
-    def _save_value_model(self, output_dir: str) -> None:
-        value_model = self.accelerator.unwrap_model(self.model).value_model
-        state_dict = None
-        if self.is_deepspeed_enabled:
-            full = self.accelerator.get_state_dict(self.model)
-            state_dict = {k[len("value_model.") :]: v for k, v in full.items() if k.startswith("value_model.")}
-        if self.args.should_save:
-            value_model.save_pretrained(output_dir, state_dict=state_dict)
 
 
 @contextlib.contextmanager

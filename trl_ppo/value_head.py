@@ -1,0 +1,161 @@
+"""A causal LM with a scalar value head on its own backbone: policy and value function in one model.
+
+With `PPOTrainer(..., value_model=None)` the policy is wrapped in `AutoModelForCausalLMWithValueHead`, so one
+forward pass gives both the next-token logits and the values, and no second backbone is held in memory.
+The head reads the final hidden state (the input of the LM head), captured with a forward hook, so the
+model's own logit computation (scaling, soft-capping, `logits_to_keep`) is untouched and no
+`output_hidden_states` over all layers is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.utils import ModelOutput, logging
+
+logger = logging.get_logger(__name__)
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class ValueHead(nn.Module):
+    """hidden `[..., H]` -> value `[...]`: one linear layer, initialised with std 1/sqrt(H + 1) and zero bias
+    (the reward/value head initialisation of the original RLHF code)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.summary = nn.Linear(hidden_size, 1)
+        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.summary.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.to(self.summary.weight.dtype)
+        return self.summary(hidden_states).squeeze(-1)
+
+
+@dataclass
+class CausalLMOutputWithValue(ModelOutput):
+    """`logits` `[B, K, V]` and `value` `[B, K]` for the same K positions (all, or the last `logits_to_keep`)."""
+
+    logits: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    past_key_values: object | None = None
+
+
+class AutoModelForCausalLMWithValueHead(nn.Module):
+    """`pretrained_model` (a causal LM, possibly a `peft.PeftModel`) plus `v_head`, a `ValueHead`.
+
+    Create it with `from_pretrained(name_or_path_or_model, **kwargs)`; `save_pretrained(folder)` writes the LM
+    in the Hugging Face format (so `AutoModelForCausalLM.from_pretrained(folder)` loads the policy alone) and
+    the head to `value_head.safetensors` beside it, which `from_pretrained(folder)` reads back.
+    """
+
+    def __init__(self, pretrained_model: nn.Module) -> None:
+        super().__init__()
+        self.pretrained_model = pretrained_model
+        hidden_size = pretrained_model.get_output_embeddings().in_features
+        self.v_head = ValueHead(hidden_size).to(next(pretrained_model.parameters()).device)
+
+    # ----------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, peft_config=None, **kwargs):
+        """Load (or wrap) a causal LM and, where the folder or hub repo has one, its saved value head.
+
+        `pretrained_model_name_or_path`: a hub name, a local folder, or an already built causal LM.
+        `peft_config`: when given, a new PEFT adapter is added to the LM. Other kwargs go to
+        `AutoModelForCausalLM.from_pretrained`.
+        """
+        if isinstance(pretrained_model_name_or_path, nn.Module):
+            lm, source = pretrained_model_name_or_path, None
+        else:
+            lm = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            source = str(pretrained_model_name_or_path)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            lm = get_peft_model(lm, peft_config)
+        model = cls(lm)
+        state = _load_value_head_state(source, kwargs.get("revision")) if source is not None else None
+        if state is not None:
+            model.v_head.load_state_dict({key.removeprefix("v_head."): value for key, value in state.items()})
+        return model
+
+    def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
+        """Write the LM (or its PEFT adapter) with `save_pretrained` and the head to `value_head.safetensors`.
+
+        `state_dict`, when given (e.g. consolidated by DeepSpeed), holds `pretrained_model.*` and `v_head.*`."""
+        from safetensors.torch import save_file
+
+        lm_state = head_state = None
+        if state_dict is not None:
+            lm_state = {k[len("pretrained_model.") :]: v for k, v in state_dict.items() if k.startswith("pretrained_model.")}
+            head_state = {k: v for k, v in state_dict.items() if k.startswith("v_head.")}
+        self.pretrained_model.save_pretrained(save_directory, state_dict=lm_state, **kwargs)
+        if head_state is None:
+            head_state = {f"v_head.{k}": v for k, v in self.v_head.state_dict().items()}
+        head_state = {k: v.detach().cpu().contiguous() for k, v in head_state.items()}
+        save_file(head_state, os.path.join(save_directory, VALUE_HEAD_FILE))
+
+    # ---------------------------------------------------------------------------------------- delegation
+    @property
+    def config(self):
+        return self.pretrained_model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.pretrained_model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.pretrained_model.get_output_embeddings()
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.pretrained_model.gradient_checkpointing_enable(**kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.pretrained_model.generate(*args, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, input_ids=None, attention_mask=None, **kwargs) -> CausalLMOutputWithValue:
+        """The LM's forward (same kwargs: `position_ids`, `logits_to_keep`, `use_cache`, ...) plus the value of
+        every position the logits are computed for. -> `CausalLMOutputWithValue`."""
+        captured = []
+        hook = self.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, output: captured.append(inputs[0])
+        )
+        try:
+            output = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        finally:
+            hook.remove()
+        return CausalLMOutputWithValue(
+            logits=output.logits, value=self.v_head(captured[-1]), past_key_values=output.past_key_values
+        )
+
+
+def _load_value_head_state(source: str, revision: str | None) -> dict | None:
+    """The saved head of a local folder or hub repo, or None when it has none (a plain causal LM)."""
+    from safetensors.torch import load_file
+
+    if os.path.isdir(source):
+        path = os.path.join(source, VALUE_HEAD_FILE)
+        return load_file(path) if os.path.isfile(path) else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return load_file(hf_hub_download(source, VALUE_HEAD_FILE, revision=revision))
+    except EntryNotFoundError:  # a plain causal LM: the head starts fresh
+        return None
+    except Exception as error:  # offline, or no access: say so, rather than silently training a fresh head
+        logger.warning(f"Could not fetch {VALUE_HEAD_FILE} of {source} ({error}); the value head starts fresh.")
+        return None
+
+
+def is_value_head_model(model) -> bool:
+    return isinstance(model, AutoModelForCausalLMWithValueHead)
