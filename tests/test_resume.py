@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TIME_KEYS = ("eps",)  # wall-clock dependent, the only logged values allowed to differ
 
 
-def make(make_config, tokenizer, load_models, prompt_dataset, callbacks=None, arch="llama", **overrides):
+def make(
+    make_config, tokenizer, load_models, prompt_dataset, callbacks=None, arch="llama", shared_head=False, **overrides
+):
     policy, value_model, _ = load_models(arch)
     values = dict(
         total_episodes=6 * 8,
@@ -41,19 +43,20 @@ def make(make_config, tokenizer, load_models, prompt_dataset, callbacks=None, ar
         processing_class=tokenizer,
         model=policy,
         ref_model=None,
-        reward_model=reward,
+        reward_model=[reward, length] if shared_head else reward,
         train_dataset=prompt_dataset,
-        value_model=value_model,
+        value_model=None if shared_head else value_model,
         callbacks=callbacks,
     )
 
 
+def length(prompts, completions, **columns):
+    return [None if len(c.split()) % 3 == 0 else float(len(c.split())) for c in completions]
+
+
 def weights(trainer):
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
-    return {
-        **{f"policy.{k}": v.clone() for k, v in wrapper.policy.state_dict().items()},
-        **{f"value.{k}": v.clone() for k, v in wrapper.value_model.state_dict().items()},
-    }
+    return {k: v.clone() for k, v in wrapper.state_dict().items()}  # policy (and its value head), value model
 
 
 def logs_without_time(trainer):
@@ -73,20 +76,25 @@ class StepCounter(TrainerCallback, ExportableState):
         return {"args": {"count": self.count}, "attributes": {}}
 
 
-def test_resume_is_bitwise_identical(make_config, tokenizer, load_models, prompt_dataset, tmp_path):
+@pytest.mark.parametrize(
+    "variant",
+    [dict(), dict(shared_head=True, kl_target=0.01, kl_horizon=100, reward_weights=[1.0, 0.1])],
+    ids=["value_model", "value_head+adaptive_kl+two_rewards"],
+)
+def test_resume_is_bitwise_identical(variant, make_config, tokenizer, load_models, prompt_dataset, tmp_path):
     """6 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit. The
     checkpoint falls between two logs (logging_steps=3), so metrics not yet logged must survive it too, and so
-    must the state of a stateful callback."""
-    straight = make(make_config, tokenizer, load_models, prompt_dataset)
+    must the state of a stateful callback (and the adaptive KL coefficient)."""
+    straight = make(make_config, tokenizer, load_models, prompt_dataset, **variant)
     straight.train()
 
     output_dir = str(tmp_path / "b")
-    first = make(make_config, tokenizer, load_models, prompt_dataset, [StepCounter()], output_dir=output_dir)
+    first = make(make_config, tokenizer, load_models, prompt_dataset, [StepCounter()], output_dir=output_dir, **variant)
     first.args.num_total_batches = 2  # stop after update 2 as if killed, with checkpoint-2 written
     first.train()
     assert (tmp_path / "b" / "checkpoint-2" / PPO_STATE_NAME).exists()
 
-    resumed = make(make_config, tokenizer, load_models, prompt_dataset, [StepCounter()], output_dir=output_dir)
+    resumed = make(make_config, tokenizer, load_models, prompt_dataset, [StepCounter()], output_dir=output_dir, **variant)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6 and resumed.state.episode == 48
     counter = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, StepCounter))
@@ -95,6 +103,9 @@ def test_resume_is_bitwise_identical(make_config, tokenizer, load_models, prompt
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert logs_without_time(straight) == logs_without_time(resumed)
     assert len([e for e in resumed.state.log_history if "objective/kl" in e]) == 2  # updates 3 and 6
+    assert resumed.kl_coef == straight.kl_coef
+    if variant.get("kl_target"):
+        assert resumed.kl_coef != resumed.args.kl_coef  # it did move, so restoring it was tested
 
 
 def test_resume_with_another_batch_size_or_model_names_the_difference(

@@ -84,7 +84,7 @@ class StepAPIMixin:
                 f"`step()` got {len(queries)} episodes, but one update takes `local_batch_size` = "
                 f"per_device_train_batch_size * gradient_accumulation_steps = {args.local_batch_size} per process."
             )
-        if not hasattr(self, "_metrics_since_log"):  # the first step of this trainer
+        if not getattr(self, "_training_active", False):  # the first step (or the first after `train()` ended)
             self._begin_training(None)
         rollout = self._rollout_of(queries, responses)
         rollout.scores = scores.to(rollout.queries.device)

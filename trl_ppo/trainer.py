@@ -108,7 +108,9 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
         rewards = build_rewards(reward_model, args.reward_weights, reward_processing_class)
         if value_model is None:
             if not is_value_head_model(model):
-                model = AutoModelForCausalLMWithValueHead(model)
+                with torch.random.fork_rng(devices=[]):  # a head initialised by `seed`, the global RNG untouched
+                    torch.manual_seed(args.seed)
+                    model = AutoModelForCausalLMWithValueHead(model)
         elif is_value_head_model(model):
             raise ValueError(
                 "`model` has a value head and a separate `value_model` was given too: pass `value_model=None` to "
@@ -470,6 +472,7 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
         self._start_time, self._start_episode = time.time(), self.state.episode
         self.model.train()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self._training_active = True
 
     def _end_update(self, rollout: Rollout, reward_stats: dict, update_stats: dict, scores_per_reward: dict) -> dict:
         """Count the episodes, gather this update's metrics, adapt the KL coefficient, step the schedule, then
@@ -510,6 +513,7 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
         return metrics
 
     def _end_training(self) -> TrainOutput:
+        self._training_active = False
         if self._metrics_since_log:
             self.log(self._metrics_since_log.pop())
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
