@@ -94,7 +94,9 @@ def test_resume_is_bitwise_identical(variant, make_config, tokenizer, load_model
     first.train()
     assert (tmp_path / "b" / "checkpoint-2" / PPO_STATE_NAME).exists()
 
-    resumed = make(make_config, tokenizer, load_models, prompt_dataset, [StepCounter()], output_dir=output_dir, **variant)
+    resumed = make(
+        make_config, tokenizer, load_models, prompt_dataset, [StepCounter()], output_dir=output_dir, **variant
+    )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6 and resumed.state.episode == 48
     counter = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, StepCounter))

@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 import torch
+from conftest import tiny_config
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 
-from conftest import tiny_config
 from trl_ppo import PPOTrainer, ppo
 from trl_ppo.default_job import SPECIAL_TOKENS, build_word_tokenizer, default_vocabulary
 from trl_ppo.rewards import build_rewards, call_reward_function, reward_model_scores

@@ -53,7 +53,9 @@ def test_step_without_a_dataset_updates_the_weights_and_returns_the_training_met
     trained = make_trainer(make_config(total_episodes=16), tokenizer, load_models, prompt_dataset)
     trained.train()
     per_reward = ("objective/scores/", "objective/missing_scores/")
-    train_keys = {k for k in trained.state.log_history[0] if not k.startswith(per_reward) and k not in ("epoch", "step")}
+    train_keys = {
+        k for k in trained.state.log_history[0] if not k.startswith(per_reward) and k not in ("epoch", "step")
+    }
     assert set(stats) == train_keys
 
     stats = trainer.step(queries, responses, torch.tensor(scores))  # scores as a tensor work too

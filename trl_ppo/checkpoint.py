@@ -23,7 +23,7 @@ from transformers import TrainerControl, TrainerState
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
-from .value_head import VALUE_HEAD_FILE, is_value_head_model
+from .value_head import VALUE_HEAD_FILE, is_value_head_model, sub_state_dict
 
 logger = logging.get_logger(__name__)
 
@@ -183,7 +183,7 @@ def load_weights_into(model: torch.nn.Module, folder: str) -> None:
     if is_value_head_model(model):  # the causal LM as below, then its head
         load_weights_into(model.pretrained_model, folder)
         head = load_file(os.path.join(folder, VALUE_HEAD_FILE))
-        model.v_head.load_state_dict({key.removeprefix("v_head."): value for key, value in head.items()})
+        model.v_head.load_state_dict(sub_state_dict(head, "v_head."))
         return
     adapter = os.path.join(folder, "adapter_model.safetensors")
     if os.path.isfile(adapter):
@@ -384,7 +384,7 @@ class CheckpointingMixin:
             return
         policy = self.accelerator.unwrap_model(self.model).policy
         if state_dict is not None:
-            state_dict = {k[len("policy.") :]: v for k, v in state_dict.items() if k.startswith("policy.")}
+            state_dict = sub_state_dict(state_dict, "policy.")
         os.makedirs(output_dir, exist_ok=True)
         policy.save_pretrained(output_dir, state_dict=state_dict)
         if self.processing_class is not None:
@@ -397,7 +397,6 @@ class CheckpointingMixin:
             return
         state_dict = None
         if self.is_deepspeed_enabled:
-            full = self.accelerator.get_state_dict(self.model)
-            state_dict = {k[len("value_model.") :]: v for k, v in full.items() if k.startswith("value_model.")}
+            state_dict = sub_state_dict(self.accelerator.get_state_dict(self.model), "value_model.")
         if self.args.should_save:
             value_model.save_pretrained(output_dir, state_dict=state_dict)

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from transformers import TrainingArguments
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -235,6 +238,18 @@ def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
 
 
+def stop_and_penalty_tokens(args: OnPolicyConfig, tokenizer) -> tuple[int | None, int | None]:
+    """(the token that ends a response or None, the token whose absence `missing_eos_penalty` punishes: the stop
+    token, else EOS as in TRL)."""
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+    if args.missing_eos_penalty is not None and stop_token_id is None:
+        logger.warning(
+            "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
+            "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
+        )
+    return stop_token_id, stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+
+
 def validate_config(args: OnPolicyConfig) -> None:
     """Reject values that cannot work, before any model is touched. Each error names the argument and the fix."""
 
@@ -271,7 +286,9 @@ def validate_config(args: OnPolicyConfig) -> None:
             if not args.kl_target > 0:
                 fail(f"`kl_target` must be > 0 (or None to keep `kl_coef` fixed), got {args.kl_target}.")
             if not args.kl_coef > 0:
-                fail(f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`; got {args.kl_coef}.")
+                fail(
+                    f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`, got {args.kl_coef}."
+                )
         if args.kl_horizon < 1:
             fail(f"`kl_horizon` must be at least 1, got {args.kl_horizon}.")
         for name in ("gamma", "lam"):

@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from .value_head import is_value_head_model
+from .value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
 
 try:  # peft is a dependency, but keep `import trl_ppo` working without it
     from peft import PeftModel, get_peft_model
@@ -158,6 +158,24 @@ class PolicyAndValueWrapper(nn.Module):
         logits = policy_response_logits(self.policy, input_ids, attention_mask, response_length, temperature)
         values = scalar_head_outputs(self.value_model, input_ids, attention_mask)
         return logits, values[:, -response_length - 1 : -1]
+
+
+def with_value_function(model: nn.Module, value_model: nn.Module | None, seed: int) -> nn.Module:
+    """The policy to train: `model` as given when a separate `value_model` is checked and used, else `model` with
+    a value head (`AutoModelForCausalLMWithValueHead`; a new head is initialised from `seed`)."""
+    if value_model is not None:
+        if is_value_head_model(model):
+            raise ValueError(
+                "`model` has a value head and a separate `value_model` was given too: pass `value_model=None` to "
+                "use the head, or a plain causal LM with the value model."
+            )
+        check_scalar_head_model(value_model, "value model")
+        return model
+    if is_value_head_model(model):
+        return model
+    with torch.random.fork_rng(devices=[]):  # reproducible, and the global RNG stream is left as it was
+        torch.manual_seed(seed)
+        return AutoModelForCausalLMWithValueHead(model)
 
 
 def causal_lm(model: nn.Module) -> nn.Module:

@@ -43,6 +43,15 @@ class Reward:
         return isinstance(self.source, nn.Module)
 
 
+def models_reading_policy_ids(rewards: list[Reward]) -> dict[str, nn.Module]:
+    """The reward models without their own tokenizer (they read the policy's token ids), by argument name."""
+    return {
+        "reward_model" if len(rewards) == 1 else f"reward_model[{i}]": reward.source
+        for i, reward in enumerate(rewards)
+        if reward.is_model and reward.tokenizer is None
+    }
+
+
 def reward_name(reward: Any) -> str:
     return getattr(reward, "__name__", None) or type(reward).__name__
 

@@ -7,7 +7,6 @@ One update reads like the algorithm: rollout -> score -> advantages -> PPO updat
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import defaultdict
 
@@ -22,12 +21,11 @@ from . import checkpoint as ckpt
 from . import ppo
 from .checkpoint import CheckpointingMixin
 from .completions import CompletionsMixin
-from .config import OnPolicyConfig, PPOConfig, compute_batch_sizes, validate_config
+from .config import OnPolicyConfig, PPOConfig, compute_batch_sizes, stop_and_penalty_tokens, validate_config
 from .data import LeftPaddingCollator, SharedOrderBatchSampler, fit_prompts, prepare_prompt_dataset
 from .metrics import MetricsSinceLog, update_metrics
 from .models import (
     PolicyAndValueWrapper,
-    check_scalar_head_model,
     check_vocabularies,
     context_length,
     freeze,
@@ -36,8 +34,9 @@ from .models import (
     peft_reference,
     policy_response_logits,
     prepare_models,
+    with_value_function,
 )
-from .rewards import build_rewards, compute_scores, decode_texts
+from .rewards import build_rewards, compute_scores, models_reading_policy_ids
 from .rollout import (
     Rollout,
     chunks,
@@ -46,7 +45,6 @@ from .rollout import (
     unwrap_for_generation,
 )
 from .step_api import StepAPIMixin
-from .value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
 
 logger = logging.get_logger(__name__)
 
@@ -106,28 +104,8 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
                 "new id is outside them) or `tokenizer.pad_token = tokenizer.eos_token`."
             )
         rewards = build_rewards(reward_model, args.reward_weights, reward_processing_class)
-        if value_model is None:
-            if not is_value_head_model(model):
-                with torch.random.fork_rng(devices=[]):  # a head initialised by `seed`, the global RNG untouched
-                    torch.manual_seed(args.seed)
-                    model = AutoModelForCausalLMWithValueHead(model)
-        elif is_value_head_model(model):
-            raise ValueError(
-                "`model` has a value head and a separate `value_model` was given too: pass `value_model=None` to "
-                "use the head, or a plain causal LM with the value model."
-            )
-        else:
-            check_scalar_head_model(value_model, "value model")
-        self.stop_token_id = args.stop_token_id
-        if args.stop_token == "eos":
-            self.stop_token_id = processing_class.eos_token_id
-        # The token whose absence `missing_eos_penalty` punishes: the stop token, else (as in TRL) EOS.
-        self.penalty_token_id = self.stop_token_id if self.stop_token_id is not None else processing_class.eos_token_id
-        if args.missing_eos_penalty is not None and self.stop_token_id is None:
-            logger.warning(
-                "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
-                "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
-            )
+        model = with_value_function(model, value_model, args.seed)
+        self.stop_token_id, self.penalty_token_id = stop_and_penalty_tokens(args, processing_class)
         fingerprints = {"policy": model, "ref_model": ref_model, "value_model": value_model}
         fingerprints.update({f"reward:{reward.name}": reward.source for reward in rewards if reward.is_model})
         fingerprints = {name: ckpt.model_fingerprint(module) for name, module in fingerprints.items()}
@@ -140,11 +118,10 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
             gradient_checkpointing_kwargs(args),
         )
         self.is_peft_model = is_peft_model(model)
-        policy_id_readers = {"model": model, "ref_model": ref_model, "value_model": value_model}
-        for i, reward in enumerate(rewards):  # the reward models that read the policy's token ids
-            if reward.is_model and reward.tokenizer is None:
-                policy_id_readers["reward_model" if len(rewards) == 1 else f"reward_model[{i}]"] = reward.source
-        check_vocabularies(processing_class, policy_id_readers)
+        check_vocabularies(
+            processing_class,
+            {"model": model, "ref_model": ref_model, "value_model": value_model, **models_reading_policy_ids(rewards)},
+        )
 
         # Data.
         train_dataset = prepare_prompt_dataset(train_dataset, processing_class, args.dataset_num_proc)
@@ -433,7 +410,10 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
                 with self.accelerator.autocast():
                     responses = [
                         sample(
-                            wrapper.lm, queries[part], query_mask[part], pad_token_id=self.processing_class.pad_token_id,
+                            wrapper.lm,
+                            queries[part],
+                            query_mask[part],
+                            pad_token_id=self.processing_class.pad_token_id,
                             **settings,
                         )
                         for part in chunks(queries.size(0), args.local_rollout_forward_batch_size)

@@ -81,7 +81,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         model = cls(lm)
         state = _load_value_head_state(source, kwargs.get("revision")) if source is not None else None
         if state is not None:
-            model.v_head.load_state_dict({key.removeprefix("v_head."): value for key, value in state.items()})
+            model.v_head.load_state_dict(sub_state_dict(state, "v_head."))
         return model
 
     def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
@@ -90,14 +90,10 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         `state_dict`, when given (e.g. consolidated by DeepSpeed), holds `pretrained_model.*` and `v_head.*`."""
         from safetensors.torch import save_file
 
-        lm_state = head_state = None
-        if state_dict is not None:
-            lm_state = {k[len("pretrained_model.") :]: v for k, v in state_dict.items() if k.startswith("pretrained_model.")}
-            head_state = {k: v for k, v in state_dict.items() if k.startswith("v_head.")}
+        lm_state = None if state_dict is None else sub_state_dict(state_dict, "pretrained_model.")
+        head_state = self.v_head.state_dict() if state_dict is None else sub_state_dict(state_dict, "v_head.")
         self.pretrained_model.save_pretrained(save_directory, state_dict=lm_state, **kwargs)
-        if head_state is None:
-            head_state = {f"v_head.{k}": v for k, v in self.v_head.state_dict().items()}
-        head_state = {k: v.detach().cpu().contiguous() for k, v in head_state.items()}
+        head_state = {f"v_head.{k}": v.detach().cpu().contiguous() for k, v in head_state.items()}
         save_file(head_state, os.path.join(save_directory, VALUE_HEAD_FILE))
 
     # ---------------------------------------------------------------------------------------- delegation
@@ -155,6 +151,11 @@ def _load_value_head_state(source: str, revision: str | None) -> dict | None:
     except Exception as error:  # offline, or no access: say so, rather than silently training a fresh head
         logger.warning(f"Could not fetch {VALUE_HEAD_FILE} of {source} ({error}); the value head starts fresh.")
         return None
+
+
+def sub_state_dict(state_dict: dict, prefix: str) -> dict:
+    """The entries of `state_dict` under `prefix`, with the prefix removed from their names."""
+    return {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
 
 
 def is_value_head_model(model) -> bool:
