@@ -95,9 +95,15 @@ def test_parser_reads_trl_style_flags(tmp_path):
             "--use_peft",
             "--lora_r",
             "8",
+            "--reward_weights",
+            "1.0",
+            "0.5",
+            "--kl_target",
+            "6",
         ]
     )
     assert (config.kl_estimator, config.stop_token, config.missing_eos_penalty) == ("k3", "eos", 1.0)
+    assert config.reward_weights == [1.0, 0.5] and config.kl_target == 6.0 and config.kl_horizon == 10000
     assert script_args.dataset_name == "x.jsonl" and model_args.use_peft and model_args.lora_r == 8
 
 

@@ -1,7 +1,6 @@
 """The trainer end to end on tiny models: the PPO sanity check, weights that move, PEFT, logs, saving, learning."""
 
 import math
-import time
 
 import pytest
 import torch
@@ -190,7 +189,6 @@ def test_gradient_checkpointing_and_bf16_are_honoured(make_config, tokenizer, lo
 
 def test_learning_with_a_reward_that_favours_one_token(make_config, tokenizer, load_models, prompt_dataset):
     """With +1 per 'good' in the completion, the mean score of the last updates clearly beats the first."""
-    start = time.time()
 
     def count_good(prompts, completions, **columns):
         return [float(text.split().count("good")) for text in completions]
@@ -214,7 +212,6 @@ def test_learning_with_a_reward_that_favours_one_token(make_config, tokenizer, l
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     print("first/last mean score", first, last)
     assert last > first + 1.0, (first, last)
-    assert time.time() - start < 60
 
 
 def test_missing_eos_penalty_looks_for_the_configured_stop_token(make_config, tokenizer, load_models, prompt_dataset):
