@@ -117,3 +117,23 @@ def make_config(tmp_path):
         return PPOConfig(**values)
 
     return make
+
+
+def build_trainer(
+    config, tokenizer, load_models, dataset=None, arch="gpt_neox", reward=None, value_model="separate", **kwargs
+):
+    """A `PPOTrainer` on freshly loaded tiny models of `arch`. `reward` defaults to the tiny reward model;
+    `value_model` is "separate" (the tiny value model) or None (a value head on the policy)."""
+    from trl_ppo import PPOTrainer
+
+    policy, separate_value_model, reward_model = load_models(arch)
+    return PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward if reward is not None else reward_model,
+        train_dataset=dataset,
+        value_model=separate_value_model if value_model == "separate" else value_model,
+        **kwargs,
+    )

@@ -5,26 +5,13 @@ import asyncio
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import build_trainer, tiny_config
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 
-from trl_ppo import PPOTrainer, ppo
+from trl_ppo import ppo
 from trl_ppo.default_job import SPECIAL_TOKENS, build_word_tokenizer, default_vocabulary
 from trl_ppo.rewards import build_rewards, call_reward_function, reward_model_scores
-
-
-def make_trainer(config, tokenizer, load_models, dataset, reward, value_model="separate"):
-    policy, separate_value_model, _ = load_models()
-    return PPOTrainer(
-        args=config,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=reward,
-        train_dataset=dataset,
-        value_model=separate_value_model if value_model == "separate" else value_model,
-    )
 
 
 def first_batch_scores(trainer):
@@ -44,7 +31,7 @@ def threes_on_odd_rows(prompts, completions, **columns):
 
 # ------------------------------------------------------------------------------------ functions and weights
 def test_weighted_rewards_sum_and_none_is_excluded_and_counted(make_config, tokenizer, load_models, prompt_dataset):
-    trainer = make_trainer(
+    trainer = build_trainer(
         make_config(reward_weights=[2.0, 0.5], total_episodes=8),
         tokenizer,
         load_models,
@@ -66,7 +53,7 @@ def test_weighted_rewards_sum_and_none_is_excluded_and_counted(make_config, toke
 
 def test_a_reward_model_and_a_function_mix(make_config, tokenizer, load_models, prompt_dataset):
     _, _, reward_model = load_models()
-    trainer = make_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=[reward_model, ones])
+    trainer = build_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=[reward_model, ones])
     _, rollout, scores, per_reward = first_batch_scores(trainer)
     model_scores = reward_model_scores(reward_model, rollout, chunk_size=4)
     torch.testing.assert_close(scores, model_scores + 1.0)
@@ -104,7 +91,7 @@ def test_a_list_reward_returning_bad_values_is_named(make_config, tokenizer, loa
     def too_many(prompts, completions, **columns):
         return [1.0] * (len(completions) + 1)
 
-    trainer = make_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=[ones, too_many])
+    trainer = build_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=[ones, too_many])
     with pytest.raises(ValueError, match=r"Update 1: Reward function 'too_many' returned 9 scores for 8"):
         trainer.train()
 
@@ -123,32 +110,6 @@ def test_async_reward_functions_are_awaited_also_inside_a_running_loop():
     assert asyncio.run(from_a_notebook()) == [2.0, 3.0]
 
 
-def test_rule_based_reward_alone_trains_and_the_score_rises(make_config, tokenizer, load_models, prompt_dataset):
-    """No sequence-classification model anywhere: a reward function and the policy's own value head."""
-
-    def count_good(prompts, completions, **columns):
-        return [float(text.split().count("good")) for text in completions]
-
-    config = make_config(
-        total_episodes=30 * 16,
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=2,
-        local_rollout_forward_batch_size=16,
-        response_length=8,
-        temperature=1.0,
-        learning_rate=3e-3,
-        num_ppo_epochs=4,
-        kl_coef=0.01,
-        seed=7,
-    )
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, reward=count_good, value_model=None)
-    trainer.train()
-    scores = [entry["objective/scores"] for entry in trainer.state.log_history if "objective/scores" in entry]
-    first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
-    print("first/last mean score", first, last)
-    assert last > first + 1.0, (first, last)
-
-
 # ------------------------------------------------------------------------------- a reward model's own tokenizer
 def other_family(tokenizer_words):
     """A tokenizer with the same words in another order (every id differs) and a reward model built on it."""
@@ -157,6 +118,10 @@ def other_family(tokenizer_words):
     torch.manual_seed(1)
     model = AutoModelForSequenceClassification.from_config(tiny_config("llama", reward_tokenizer))
     return reward_tokenizer, model.eval()
+
+
+def decode_responses(tokenizer, rollout) -> list[str]:
+    return [tokenizer.decode(r[m], skip_special_tokens=True) for r, m in zip(rollout.responses, rollout.response_mask)]
 
 
 def direct_score(model, tokenizer, text: str) -> float:
@@ -171,24 +136,18 @@ def test_reward_model_with_another_vocabulary_scores_the_decoded_text(
 ):
     reward_tokenizer, reward_model = other_family(default_vocabulary())
     assert reward_tokenizer.convert_tokens_to_ids("good") != tokenizer.convert_tokens_to_ids("good")
-    policy, value_model, _ = load_models()
-    trainer = PPOTrainer(
-        args=make_config(),
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=[reward_model],
+    trainer = build_trainer(
+        make_config(),
+        tokenizer,
+        load_models,
+        prompt_dataset,
+        reward=[reward_model],
         reward_processing_class=[reward_tokenizer],
-        train_dataset=prompt_dataset,
-        value_model=value_model,
     )
     batch, rollout, scores, _ = first_batch_scores(trainer)
-    completions = [
-        tokenizer.decode(r[m], skip_special_tokens=True) for r, m in zip(rollout.responses, rollout.response_mask)
-    ]
     expected = [
         direct_score(reward_model, reward_tokenizer, f"{prompt} {completion}")
-        for prompt, completion in zip(batch["prompt"], completions)
+        for prompt, completion in zip(batch["prompt"], decode_responses(tokenizer, rollout))
     ]
     torch.testing.assert_close(scores, torch.tensor(expected), atol=1e-5, rtol=1e-5)
 
@@ -203,31 +162,25 @@ def test_reward_tokenizer_renders_conversations_with_its_chat_template(make_conf
         seen.update(prompts=prompts, messages=prompt)
         return [0.0] * len(completions)
 
-    policy, value_model, _ = load_models()
-    trainer = PPOTrainer(
-        args=make_config(),
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=[reward_model, sees_messages],
+    trainer = build_trainer(
+        make_config(),
+        tokenizer,
+        load_models,
+        Dataset.from_dict({"prompt": messages * 8}),
+        reward=[reward_model, sees_messages],
         reward_processing_class=reward_tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": messages * 8}),
-        value_model=value_model,
     )
     batch, rollout, scores, _ = first_batch_scores(trainer)
     # Reward functions get the messages as well as the rendered prompt text.
     assert seen["messages"] == batch["prompt"] and all(isinstance(m, list) for m in seen["messages"])
     assert seen["prompts"][0].startswith("user : ") and seen["prompts"][0].endswith("assistant :")
-    completions = [
-        tokenizer.decode(r[m], skip_special_tokens=True) for r, m in zip(rollout.responses, rollout.response_mask)
-    ]
     expected = [
         direct_score(
             reward_model,
             reward_tokenizer,
             reward_tokenizer.apply_chat_template(m + [{"role": "assistant", "content": c}], tokenize=False),
         )
-        for m, c in zip(batch["prompt"], completions)
+        for m, c in zip(batch["prompt"], decode_responses(tokenizer, rollout))
     ]
     torch.testing.assert_close(scores, torch.tensor(expected), atol=1e-5, rtol=1e-5)
 
@@ -259,7 +212,7 @@ def test_adaptive_kl_moves_the_coefficient_toward_the_target(
 ):
     """After an update whose KL is above the target the coefficient rises, below it falls (the first update has
     KL 0: policy and reference are still equal); the coefficient each update used is logged."""
-    trainer = make_trainer(
+    trainer = build_trainer(
         make_config(kl_target=kl_target, kl_horizon=100, kl_estimator="k3", total_episodes=32, kl_coef=0.1),
         tokenizer,
         load_models,
@@ -278,7 +231,7 @@ def test_adaptive_kl_moves_the_coefficient_toward_the_target(
 
 
 def test_fixed_kl_coef_without_a_target(make_config, tokenizer, load_models, prompt_dataset):
-    trainer = make_trainer(make_config(total_episodes=16), tokenizer, load_models, prompt_dataset, reward=ones)
+    trainer = build_trainer(make_config(total_episodes=16), tokenizer, load_models, prompt_dataset, reward=ones)
     trainer.train()
     assert [e["objective/kl_coef"] for e in trainer.state.log_history if "objective/kl_coef" in e] == [0.05, 0.05]
 
@@ -293,4 +246,4 @@ def test_fixed_kl_coef_without_a_target(make_config, tokenizer, load_models, pro
 )
 def test_bad_adaptive_kl_settings(overrides, message, make_config, tokenizer, load_models, prompt_dataset):
     with pytest.raises(ValueError, match=message):
-        make_trainer(make_config(**overrides), tokenizer, load_models, prompt_dataset, reward=ones)
+        build_trainer(make_config(**overrides), tokenizer, load_models, prompt_dataset, reward=ones)

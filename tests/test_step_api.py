@@ -2,25 +2,11 @@
 
 import pytest
 import torch
-
-from trl_ppo import PPOTrainer
+from conftest import build_trainer
 
 
 def ones(prompts, completions, **columns):
     return [1.0] * len(completions)
-
-
-def make_trainer(config, tokenizer, load_models, dataset=None):
-    policy, value_model, _ = load_models()
-    return PPOTrainer(
-        args=config,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=ones,
-        train_dataset=dataset,
-        value_model=value_model,
-    )
 
 
 def policy_weights(trainer):
@@ -40,7 +26,7 @@ def hand_made_episodes(tokenizer):
 def test_step_without_a_dataset_updates_the_weights_and_returns_the_training_metrics(
     make_config, tokenizer, load_models, prompt_dataset
 ):
-    trainer = make_trainer(make_config(total_episodes=80), tokenizer, load_models)
+    trainer = build_trainer(make_config(total_episodes=80), tokenizer, load_models, reward=ones)
     before = policy_weights(trainer)
     queries, responses, scores = hand_made_episodes(tokenizer)
     stats = trainer.step(queries, responses, scores)
@@ -50,7 +36,7 @@ def test_step_without_a_dataset_updates_the_weights_and_returns_the_training_met
     assert stats["objective/scores"] == pytest.approx(0.5)
     assert trainer.state.global_step == 1 and trainer.state.episode == 8
 
-    trained = make_trainer(make_config(total_episodes=16), tokenizer, load_models, prompt_dataset)
+    trained = build_trainer(make_config(total_episodes=16), tokenizer, load_models, prompt_dataset, reward=ones)
     trained.train()
     per_reward = ("objective/scores/", "objective/missing_scores/")
     train_keys = {
@@ -66,7 +52,7 @@ def test_step_and_train_make_the_same_update_on_the_same_rollout(make_config, to
     """Record the rollout (and RNG state) `train()` updates on; `step()` with the same episodes from the same
     initial models and RNG state ends with the same weights."""
     config = dict(total_episodes=8, num_mini_batches=2, stop_token="eos", temperature=3.0, response_length=32)
-    trained = make_trainer(make_config(**config), tokenizer, load_models, prompt_dataset)
+    trained = build_trainer(make_config(**config), tokenizer, load_models, prompt_dataset, reward=ones)
     recorded = {}
     compute_advantages = trained.compute_advantages
 
@@ -81,7 +67,7 @@ def test_step_and_train_make_the_same_update_on_the_same_rollout(make_config, to
     queries = [q[m] for q, m in zip(rollout.queries, rollout.query_mask)]
     responses = [r[m] for r, m in zip(rollout.responses, rollout.response_mask)]
 
-    stepped = make_trainer(make_config(**config), tokenizer, load_models, prompt_dataset)
+    stepped = build_trainer(make_config(**config), tokenizer, load_models, prompt_dataset, reward=ones)
     torch.set_rng_state(recorded["rng"])  # the minibatch order is drawn from it
     stats = stepped.step(queries, responses, rollout.scores)
     a, b = policy_weights(trained), policy_weights(stepped)
@@ -91,7 +77,7 @@ def test_step_and_train_make_the_same_update_on_the_same_rollout(make_config, to
 
 
 def test_generate_returns_responses_cut_at_the_stop_token(make_config, tokenizer, load_models):
-    trainer = make_trainer(
+    trainer = build_trainer(
         make_config(total_episodes=8, stop_token="eos", temperature=3.0, response_length=12), tokenizer, load_models
     )
     queries, _, _ = hand_made_episodes(tokenizer)
@@ -118,7 +104,7 @@ def test_generate_returns_responses_cut_at_the_stop_token(make_config, tokenizer
     ],
 )
 def test_step_rejects_bad_episodes_before_any_compute(change, message, make_config, tokenizer, load_models):
-    trainer = make_trainer(make_config(total_episodes=80), tokenizer, load_models)
+    trainer = build_trainer(make_config(total_episodes=80), tokenizer, load_models, reward=ones)
     before = policy_weights(trainer)
     with pytest.raises(ValueError, match=message):
         trainer.step(*change(*hand_made_episodes(tokenizer)))
@@ -128,7 +114,7 @@ def test_step_rejects_bad_episodes_before_any_compute(change, message, make_conf
 
 def test_without_a_dataset_total_episodes_is_required_and_train_refuses(make_config, tokenizer, load_models):
     with pytest.raises(ValueError, match=r"Without a `train_dataset` .* set `total_episodes`"):
-        make_trainer(make_config(total_episodes=None), tokenizer, load_models)
-    trainer = make_trainer(make_config(total_episodes=8), tokenizer, load_models)
+        build_trainer(make_config(total_episodes=None), tokenizer, load_models, reward=ones)
+    trainer = build_trainer(make_config(total_episodes=8), tokenizer, load_models, reward=ones)
     with pytest.raises(ValueError, match=r"`train\(\)` samples from `train_dataset`"):
         trainer.train()

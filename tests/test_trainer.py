@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import build_trainer
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from trl_ppo import PPOTrainer, ppo
@@ -35,20 +36,6 @@ PPO_METRICS = (
 )
 
 
-def make_trainer(config, tokenizer, load_models, dataset, arch="gpt_neox", reward=None, **kwargs):
-    policy, value_model, reward_model = load_models(arch)
-    return PPOTrainer(
-        args=config,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=reward if reward is not None else reward_model,
-        train_dataset=dataset,
-        value_model=value_model,
-        **kwargs,
-    )
-
-
 def one_rollout(trainer):
     batch = next(iter(trainer.train_dataloader))
     rollout = trainer.collect_rollout(batch)
@@ -62,7 +49,7 @@ def test_first_minibatch_ratio_is_one(arch, make_config, tokenizer, load_models,
     clipping. Catches temperature, padding, position-id or dropout differences between sampling and training
     (the models are saved with dropout 0.1 and prompts are left-padded to different lengths)."""
     config = make_config(learning_rate=5e-2, num_ppo_epochs=2, temperature=0.7)
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, arch=arch)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, arch=arch)
     rollout = one_rollout(trainer)
     assert rollout.query_mask.sum(1).unique().numel() > 1  # prompts of different lengths
     advantages, returns, _ = trainer.compute_advantages(rollout)
@@ -78,7 +65,7 @@ def test_first_minibatch_ratio_is_one(arch, make_config, tokenizer, load_models,
 
 def test_rollout_truncates_after_the_stop_token(make_config, tokenizer, load_models, prompt_dataset):
     config = make_config(stop_token="eos", **EOS_LIKELY)
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
     rollout = one_rollout(trainer)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     assert (rollout.responses == eos).any(), "the high temperature should produce some EOS tokens"
@@ -96,7 +83,7 @@ def test_rollout_truncates_after_the_stop_token(make_config, tokenizer, load_mod
 def test_reward_model_is_read_at_the_last_response_token(make_config, tokenizer, load_models, prompt_dataset):
     """The score of a padded episode equals the reward model's output on the same tokens without padding."""
     config = make_config(stop_token="eos", **EOS_LIKELY)
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
     rollout = one_rollout(trainer)
     reward_model = trainer.reward_model
     scores = reward_model_scores(reward_model, rollout, chunk_size=3)
@@ -109,7 +96,7 @@ def test_reward_model_is_read_at_the_last_response_token(make_config, tokenizer,
 
 def test_two_updates_train_policy_and_value_and_log_every_metric(make_config, tokenizer, load_models, prompt_dataset):
     config = make_config(total_episodes=16)  # batch 8 -> two updates
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
     before_policy = {k: v.clone() for k, v in wrapper.policy.state_dict().items()}
     before_value = {k: v.clone() for k, v in wrapper.value_model.state_dict().items()}
@@ -131,7 +118,7 @@ def test_peft_trains_only_the_adapter_without_a_ref_model(make_config, tokenizer
 
     config = make_config(total_episodes=8, learning_rate=1e-2)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value"], task_type="CAUSAL_LM")
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, peft_config=peft_config)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, peft_config=peft_config)
     assert trainer.ref_model is None
     policy = trainer.accelerator.unwrap_model(trainer.model).policy
     before = {k: v.clone() for k, v in policy.state_dict().items()}
@@ -148,7 +135,7 @@ def test_save_model_writes_a_loadable_policy_and_optionally_the_value_model(
     make_config, tokenizer, load_models, prompt_dataset, tmp_path
 ):
     config = make_config(total_episodes=8, save_value_model=True)
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
     trainer.train()
     trainer.save_model(str(tmp_path / "saved"))
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
@@ -162,7 +149,7 @@ def test_save_model_writes_a_loadable_policy_and_optionally_the_value_model(
 
 def test_checkpoints_follow_save_steps(make_config, tokenizer, load_models, prompt_dataset):
     config = make_config(total_episodes=16, save_strategy="steps", save_steps=1)
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
     trainer.train()
     from pathlib import Path
 
@@ -175,7 +162,7 @@ def test_checkpoints_follow_save_steps(make_config, tokenizer, load_models, prom
 
 def test_gradient_checkpointing_and_bf16_are_honoured(make_config, tokenizer, load_models, prompt_dataset):
     config = make_config(total_episodes=8, gradient_checkpointing=True, bf16=True, use_cpu=True)
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
     assert trainer.accelerator.mixed_precision == "bf16"
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
     assert wrapper.policy.is_gradient_checkpointing and wrapper.value_model.is_gradient_checkpointing
@@ -187,8 +174,12 @@ def test_gradient_checkpointing_and_bf16_are_honoured(make_config, tokenizer, lo
     assert all(math.isfinite(v) for v in trainer.state.log_history[-1].values() if isinstance(v, float))
 
 
-def test_learning_with_a_reward_that_favours_one_token(make_config, tokenizer, load_models, prompt_dataset):
-    """With +1 per 'good' in the completion, the mean score of the last updates clearly beats the first."""
+@pytest.mark.parametrize("value_model", ["separate", None], ids=["value_model", "value_head"])
+def test_learning_with_a_reward_that_favours_one_token(
+    value_model, make_config, tokenizer, load_models, prompt_dataset
+):
+    """With +1 per 'good' in the completion, the mean score of the last updates clearly beats the first. With the
+    policy's own value head, a rule-based reward alone trains: no sequence-classification model anywhere."""
 
     def count_good(prompts, completions, **columns):
         return [float(text.split().count("good")) for text in completions]
@@ -205,7 +196,7 @@ def test_learning_with_a_reward_that_favours_one_token(make_config, tokenizer, l
         kl_coef=0.01,
         seed=7,
     )
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, reward=count_good)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, reward=count_good, value_model=value_model)
     trainer.train()
     scores = [entry["objective/scores"] for entry in trainer.state.log_history if "objective/scores" in entry]
     assert len(scores) == 30
@@ -218,7 +209,7 @@ def test_missing_eos_penalty_looks_for_the_configured_stop_token(make_config, to
     """With `stop_token_id` set to a word, the penalty hits responses without that word, not those without EOS."""
     good = tokenizer.convert_tokens_to_ids("good")
     config = make_config(stop_token_id=good, missing_eos_penalty=2.0, **EOS_LIKELY)
-    trainer = make_trainer(
+    trainer = build_trainer(
         config,
         tokenizer,
         load_models,
@@ -241,7 +232,7 @@ def test_reward_functions_get_text_and_dataset_columns(make_config, tokenizer, l
         return [float(len(c.split())) for c in completions]
 
     dataset = prompt_dataset.add_column("topic", [f"t{i}" for i in range(len(prompt_dataset))])
-    trainer = make_trainer(make_config(), tokenizer, load_models, dataset, reward=reward)
+    trainer = build_trainer(make_config(), tokenizer, load_models, dataset, reward=reward)
     rollout = one_rollout(trainer)
     assert len(seen["prompts"]) == len(seen["completions"]) == len(seen["topic"]) == 8
     assert all(t.startswith("t") for t in seen["topic"]) and "prompt" in seen["other"]
@@ -253,7 +244,7 @@ def test_conversational_prompts_use_the_chat_template(make_config, tokenizer, lo
     from datasets import Dataset
 
     messages = [[{"role": "user", "content": "the movie was"}]] * 16
-    trainer = make_trainer(
+    trainer = build_trainer(
         make_config(total_episodes=8), tokenizer, load_models, Dataset.from_dict({"prompt": messages})
     )
     expected = tokenizer.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=False)
@@ -262,7 +253,7 @@ def test_conversational_prompts_use_the_chat_template(make_config, tokenizer, lo
 
 
 def test_saved_policy_keeps_its_kv_cache_setting(make_config, tokenizer, load_models, prompt_dataset, tmp_path):
-    trainer = make_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
+    trainer = build_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
     trainer.save_model(str(tmp_path / "saved"))
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").config.use_cache is True
 
@@ -286,7 +277,7 @@ def test_logging_steps_average_updates_and_the_schedule_steps_once_per_update(
 
     recorder = Recorder()
     config = make_config(total_episodes=32, logging_steps=2, learning_rate=1e-3, lr_scheduler_type="linear")
-    trainer = make_trainer(config, tokenizer, load_models, prompt_dataset, callbacks=[recorder])
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, callbacks=[recorder])
     per_update = []
     original_add = MetricsSinceLog.add
     monkeypatch.setattr(MetricsSinceLog, "add", lambda self, m: per_update.append(dict(m)) or original_add(self, m))
@@ -310,7 +301,7 @@ def test_pad_token_equal_to_eos_keeps_the_stop_token_in_the_response(
     same = copy.deepcopy(tokenizer)
     same.pad_token = same.eos_token
     config = make_config(stop_token="eos", **EOS_LIKELY)
-    trainer = make_trainer(config, same, load_models, prompt_dataset)
+    trainer = build_trainer(config, same, load_models, prompt_dataset)
     rollout = one_rollout(trainer)
     eos = same.eos_token_id
     ends_with_eos = [(r[m][-1] == eos).item() for r, m in zip(rollout.responses, rollout.response_mask)]
@@ -334,7 +325,7 @@ def test_right_padded_prompts_are_rejected(make_config, tokenizer, load_models, 
         lambda row: {"input_ids": tokenizer(row["prompt"])["input_ids"]}, remove_columns=["prompt"]
     )
     with pytest.raises(ValueError, match="left-padded"):
-        make_trainer(make_config(), tokenizer, load_models, dataset, data_collator=DataCollatorWithPadding(right))
+        build_trainer(make_config(), tokenizer, load_models, dataset, data_collator=DataCollatorWithPadding(right))
 
 
 def test_ref_adapter_name_selects_the_reference_adapter(make_config, tokenizer, load_models, prompt_dataset):

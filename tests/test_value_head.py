@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import build_trainer
 from transformers import AutoModelForCausalLM
 
 from trl_ppo import AutoModelForCausalLMWithValueHead, PPOTrainer
@@ -10,20 +11,6 @@ from trl_ppo.value_head import VALUE_HEAD_FILE
 
 def count_good(prompts, completions, **columns):
     return [float(text.split().count("good")) for text in completions]
-
-
-def make_trainer(config, tokenizer, load_models, dataset, shared_head: bool, **kwargs):
-    policy, value_model, _ = load_models()
-    return PPOTrainer(
-        args=config,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=count_good,
-        train_dataset=dataset,
-        value_model=None if shared_head else value_model,
-        **kwargs,
-    )
 
 
 def test_value_head_outputs_match_the_lm_and_read_its_last_hidden_state(load_models):
@@ -42,7 +29,7 @@ def test_value_head_outputs_match_the_lm_and_read_its_last_hidden_state(load_mod
 def test_shared_head_trains_saves_and_loads_with_the_head_intact(
     make_config, tokenizer, load_models, prompt_dataset, tmp_path
 ):
-    trainer = make_trainer(make_config(), tokenizer, load_models, prompt_dataset, shared_head=True)
+    trainer = build_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=count_good, value_model=None)
     model = trainer.accelerator.unwrap_model(trainer.model).policy
     assert isinstance(model, AutoModelForCausalLMWithValueHead)
     head_before = model.v_head.summary.weight.clone()
@@ -72,8 +59,8 @@ def test_shared_head_holds_fewer_parameters_than_a_separate_value_model(
     def trained_parameters(trainer):
         return sum(p.numel() for p in trainer.model.parameters())
 
-    shared = make_trainer(make_config(), tokenizer, load_models, prompt_dataset, shared_head=True)
-    separate = make_trainer(make_config(), tokenizer, load_models, prompt_dataset, shared_head=False)
+    shared = build_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=count_good, value_model=None)
+    separate = build_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=count_good)
     policy_size = sum(p.numel() for p in load_models()[0].parameters())
     hidden = load_models()[0].config.hidden_size
     assert trained_parameters(shared) == policy_size + hidden + 1
@@ -85,7 +72,9 @@ def test_shared_head_with_peft_trains_the_adapter_and_the_head(make_config, toke
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value"], task_type="CAUSAL_LM")
-    trainer = make_trainer(make_config(), tokenizer, load_models, prompt_dataset, shared_head=True, peft_config=lora)
+    trainer = build_trainer(
+        make_config(), tokenizer, load_models, prompt_dataset, reward=count_good, value_model=None, peft_config=lora
+    )
     model = trainer.accelerator.unwrap_model(trainer.model).policy
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name or name.startswith("v_head.") for name in trainable)
