@@ -40,7 +40,7 @@ def test_total_episodes_smaller_than_one_batch(make_config, tokenizer, load_mode
 
 def test_model_passed_as_its_own_reference(make_config, tokenizer, load_models, prompt_dataset):
     policy, value_model, reward_model = load_models()
-    with pytest.raises(ValueError, match="`ref_model` shares its weights with `model`"):
+    with pytest.raises(ValueError, match="`ref_model` shares trained weights with `model`"):
         build(make_config, tokenizer, load_models, prompt_dataset, model=policy, ref_model=policy)
 
 

@@ -5,6 +5,7 @@ Migrating from TRL: `from trl.experimental.ppo import PPOConfig, PPOTrainer` bec
 """
 
 from .config import OnPolicyConfig, PPOConfig
+from .models import create_reference_model
 from .script_args import (
     SIMPLE_CHAT_TEMPLATE,
     ModelConfig,
@@ -26,6 +27,7 @@ __all__ = [
     "PPOConfig",
     "PPOTrainer",
     "ScriptArguments",
+    "create_reference_model",
     "get_kbit_device_map",
     "get_peft_config",
     "get_quantization_config",

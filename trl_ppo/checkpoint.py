@@ -229,8 +229,8 @@ class CheckpointingMixin:
     """Checkpoint writing, resuming and preemption for `PPOTrainer` (mixed in before `transformers.Trainer`).
 
     It relies on the trainer's `state`, `control`, `accelerator`, `model`, `data_position`, `_metrics_since_log`,
-    `_policy_loss_sum`, `_skipped_updates`, `kl_coef` and `_run_identity`. It also writes the trained models
-    (`save_model`).
+    `_policy_loss_sum`, `_skipped_updates`, `kl_coef`, `score_moments` and `_run_identity`. It also writes the
+    trained models (`save_model`).
     """
 
     def _exportable_callbacks(self) -> list:
@@ -247,6 +247,7 @@ class CheckpointingMixin:
                 "policy_loss_sum": self._policy_loss_sum,
                 "skipped_updates": self._skipped_updates,
                 "kl_coef": self.kl_coef,
+                "score_moments": self.score_moments.state_dict(),
                 "identity": self._run_identity,
             },
         }
@@ -334,6 +335,7 @@ class CheckpointingMixin:
         self._policy_loss_sum = saved["policy_loss_sum"]
         self._skipped_updates = saved["skipped_updates"]
         self.kl_coef = saved["kl_coef"]
+        self.score_moments.load_state_dict(saved["score_moments"])
         self._last_checkpoint = (self.state.global_step, path)
         load_rng_state(path, self.accelerator.process_index)
         logger.warning(f"Resuming from {path}: update {self.state.global_step}, episode {self.state.episode}.")

@@ -11,29 +11,36 @@ from .rewards import decode_texts
 from .rollout import Rollout, chunks
 
 
-def print_completions_table(rows: list[dict], title: str = "Completions", max_rows: int = 10) -> None:
-    """Print query / model response / score rows as a table (at most `max_rows`)."""
+def print_table(rows: list[dict], title: str, max_rows: int = 10) -> None:
+    """Print rows (dicts with the same keys: the columns) as a table, at most `max_rows`; floats with 3 decimals."""
     table = Table(title=title, show_lines=True)
-    table.add_column("query", overflow="fold")
-    table.add_column("model response", overflow="fold")
-    table.add_column("score", justify="right")
+    columns = list(rows[0]) if rows else []
+    for column in columns:
+        table.add_column(column, overflow="fold")
     for row in rows[:max_rows]:
-        table.add_row(row["query"], row["model response"], f"{row['score']:.3f}")
+        table.add_row(*(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
     Console().print(table)
 
 
-def log_completions_to_wandb(rows: list[dict], step: int) -> None:
-    """Log the rows as a `completions` table to the active wandb run, if there is one."""
+def log_table_to_wandb(rows: list[dict], step: int, key: str = "completions") -> None:
+    """Log the rows as a table named `key` to the active wandb run, if there is one."""
     try:
         import wandb
     except ImportError:
         return
-    if wandb.run is None:
+    if wandb.run is None or not rows:
         return
-    table = wandb.Table(columns=["query", "model response", "score"])
+    table = wandb.Table(columns=list(rows[0]))
     for row in rows:
-        table.add_data(row["query"], row["model response"], row["score"])
-    wandb.log({"completions": table}, step=step)
+        table.add_data(*row.values())
+    wandb.log({key: table}, step=step)
+
+
+def show_table(rows: list[dict], title: str, report_to, step: int, key: str = "completions") -> None:
+    """The table in the terminal, and in wandb when the run reports there."""
+    print_table(rows, title=title)
+    if "wandb" in (report_to or []):
+        log_table_to_wandb(rows, step=step, key=key)
 
 
 class CompletionsMixin:
@@ -68,7 +75,5 @@ class CompletionsMixin:
             )
             rows.extend({"query": q, "model response": r, "score": s} for q, r, s in texts)
         if self.accelerator.is_main_process:
-            print_completions_table(rows, title=f"Completions at update {self.state.global_step}")
-            if "wandb" in (args.report_to or []):
-                log_completions_to_wandb(rows, step=self.state.global_step)
+            show_table(rows, f"Completions at update {self.state.global_step}", args.report_to, self.state.global_step)
         return rows

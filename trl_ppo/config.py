@@ -174,6 +174,40 @@ class PPOConfig(OnPolicyConfig):
             "weighted sum of the rewards. Defaults to 1.0 for each."
         },
     )
+    kl_penalty: Literal["kl", "abs", "mse", "full"] = field(
+        default="kl",
+        metadata={
+            "help": "Per-token KL penalty (from TRL's first PPOTrainer): 'kl' uses `kl_estimator` (k1 = log-ratio, "
+            "or k3); 'abs' |log-ratio|; 'mse' 0.5 * log-ratio^2; 'full' the exact KL between the policy's and the "
+            "reference's next-token distributions. With any value but 'kl', leave `kl_estimator` at 'k1'."
+        },
+    )
+    use_score_scaling: bool = field(
+        default=False,
+        metadata={"help": "Divide scores by their running standard deviation (over all updates and processes)."},
+    )
+    use_score_norm: bool = field(
+        default=False,
+        metadata={"help": "With `use_score_scaling`: also subtract the running mean, giving scores of mean ~0."},
+    )
+    score_clip: float | None = field(
+        default=None, metadata={"help": "Clip scores (after scaling) to [-score_clip, score_clip]. None: no clip."}
+    )
+    early_stopping: bool = field(
+        default=False,
+        metadata={
+            "help": "Stop the rest of an update's PPO epochs and minibatches once a minibatch's mean approximate KL "
+            "to the sampling policy (`policy/approxkl_avg`) exceeds 1.5 * `target_kl`; that minibatch takes no step."
+        },
+    )
+    target_kl: float = field(default=1.0, metadata={"help": "With `early_stopping`: the KL that stops an update."})
+    ratio_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Skip (no optimizer step) a minibatch whose mean probability ratio exceeds this value, a guard "
+            "against loss spikes; skips are counted in `policy/skipped_minibatches`. None: never skip."
+        },
+    )
     cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy probability ratio."})
     vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value function."})
@@ -289,6 +323,24 @@ def validate_config(args: OnPolicyConfig) -> None:
                 fail(
                     f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`, got {args.kl_coef}."
                 )
+        if args.kl_penalty not in ("kl", "abs", "mse", "full"):
+            fail(f"Unknown `kl_penalty` {args.kl_penalty!r}: use 'kl', 'abs', 'mse' or 'full'.")
+        if args.kl_penalty != "kl" and args.kl_estimator != "k1":
+            fail(
+                f"`kl_penalty={args.kl_penalty!r}` replaces the KL estimator, and `kl_estimator={args.kl_estimator!r}` "
+                "asks for another one: keep `kl_estimator='k1'` (the default), or use `kl_penalty='kl'` with it."
+            )
+        if args.use_score_norm and not args.use_score_scaling:
+            fail("`use_score_norm` normalises the scaled scores: it needs `use_score_scaling=True`.")
+        if args.score_clip is not None and not args.score_clip > 0:
+            fail(f"`score_clip` must be > 0 (scores are clipped to +-score_clip), got {args.score_clip}.")
+        if not args.target_kl > 0:
+            fail(f"`target_kl` must be > 0, got {args.target_kl}.")
+        if args.ratio_threshold is not None and not args.ratio_threshold > 1:
+            fail(
+                f"`ratio_threshold` must be > 1 (the mean ratio is about 1 in a healthy minibatch), got "
+                f"{args.ratio_threshold}."
+            )
         if args.kl_horizon < 1:
             fail(f"`kl_horizon` must be at least 1, got {args.kl_horizon}.")
         for name in ("gamma", "lam"):

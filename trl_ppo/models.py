@@ -200,9 +200,35 @@ def is_peft_model(model: nn.Module) -> bool:
     return PeftModel is not None and isinstance(causal_lm(model), PeftModel)
 
 
-def create_reference_model(policy: nn.Module) -> nn.Module:
-    """A frozen deep copy of the policy as it is now (before any update)."""
-    return freeze(copy.deepcopy(policy))
+def create_reference_model(model: nn.Module, num_shared_layers: int | None = None) -> nn.Module:
+    """A frozen copy of `model` as it is now, to serve as the reference policy.
+
+    With `num_shared_layers`, the input embeddings and the first `num_shared_layers` transformer blocks are not
+    copied but shared with `model`, and frozen there too (a reference that moved with the policy would make the
+    KL penalty meaningless): less memory, and fewer trained parameters, as in TRL's first PPOTrainer.
+    """
+    if num_shared_layers is None:
+        return freeze(copy.deepcopy(model))
+    blocks = decoder_blocks(model)
+    if not 0 <= num_shared_layers <= len(blocks):
+        raise ValueError(
+            f"`num_shared_layers` must be between 0 and {len(blocks)} (the model's blocks), got {num_shared_layers}."
+        )
+    shared = list(model.get_input_embeddings().parameters())
+    for block in blocks[:num_shared_layers]:
+        shared.extend(block.parameters())
+    for parameter in shared:
+        parameter.requires_grad_(False)
+    memo = {id(parameter): parameter for parameter in shared}  # deepcopy keeps these objects as they are
+    return freeze(copy.deepcopy(model, memo))
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of transformer blocks: its longest `nn.ModuleList`."""
+    stacks = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
+    if not stacks:
+        raise ValueError(f"Cannot find the transformer blocks of {type(model).__name__} (no nn.ModuleList).")
+    return max(stacks, key=len)
 
 
 @contextlib.contextmanager
@@ -236,8 +262,13 @@ def prepare_models(policy, ref_model, value_model, reward_models, peft_config=No
     """
     lm = causal_lm(policy)
     if ref_model is not None and not is_peft_model(lm) and peft_config is None:
-        if any(p is q for p, q in zip(ref_model.parameters(), lm.parameters())):
-            raise ValueError("`ref_model` shares its weights with `model`: pass a separate copy, or `None`.")
+        # Frozen shared layers are fine (`create_reference_model(num_shared_layers=...)`); trained ones are not.
+        reference_parameters = {id(p) for p in ref_model.parameters()}
+        if any(p.requires_grad and id(p) in reference_parameters for p in lm.parameters()):
+            raise ValueError(
+                "`ref_model` shares trained weights with `model`: pass a separate copy, `None`, or "
+                "`create_reference_model(model, num_shared_layers=...)`, which freezes the shared layers."
+            )
     if peft_config is not None:
         lm = add_peft_adapter(lm, peft_config)
         if is_value_head_model(policy):

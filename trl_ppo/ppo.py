@@ -113,6 +113,35 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"Unknown kl_estimator {estimator!r}: use 'k1' or 'k3'.")
 
 
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, penalty: str = "kl", estimator: str = "k1"
+) -> torch.Tensor:
+    """Per-token KL penalty from the sampled tokens' log-probs. `[B, T]` -> `[B, T]`.
+
+    With `log_ratio = logprobs - ref_logprobs` (log pi / pi_ref):
+      "kl"  -> `kl_estimate` with `estimator` (k1 = log_ratio, or k3)
+      "abs" -> |log_ratio|
+      "mse" -> 0.5 * log_ratio^2
+    ("full" needs the whole distributions: `full_kl_from_logits`.)
+    """
+    if penalty == "kl":
+        return kl_estimate(logprobs, ref_logprobs, estimator)
+    log_ratio = logprobs - ref_logprobs
+    if penalty == "abs":
+        return log_ratio.abs()
+    if penalty == "mse":
+        return 0.5 * log_ratio.square()
+    raise ValueError(f"Unknown kl_penalty {penalty!r} here: use 'kl', 'abs' or 'mse' ('full' needs the logits).")
+
+
+def full_kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """Exact KL(pi || pi_ref) between two next-token distributions at every position.
+    logits, ref_logits `[B, T, V]` -> `[B, T]` (float32): sum_v pi(v) * (log pi(v) - log pi_ref(v))."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
 def per_token_rewards(
     scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +169,48 @@ def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: in
     """
     error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * num_episodes / kl_horizon)
+
+
+class RunningMoments:
+    """Mean and variance of every score seen so far (Chan et al.'s parallel update), for score scaling.
+    `update` takes the scores of one update from all processes, so every process holds the same moments."""
+
+    def __init__(self) -> None:
+        self.mean, self.var, self.count = 0.0, 1.0, 0
+
+    def update(self, values: torch.Tensor) -> None:
+        values = values.detach().double().reshape(-1)
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean, batch_var = values.mean().item(), values.var(unbiased=False).item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean, self.var, self.count = self.mean + delta * n / total, m2 / total, total
+
+    @property
+    def std(self) -> float:
+        """Sample standard deviation (Bessel-corrected) of all values seen."""
+        return (self.var * self.count / max(self.count - 1, 1)) ** 0.5
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], state["count"]
+
+
+def shape_scores(
+    scores: torch.Tensor, mean: float, std: float, scale: bool, norm: bool, clip: float | None
+) -> torch.Tensor:
+    """Score shaping of TRL's first PPOTrainer. scores `[B]` -> `[B]`: divided by `std` when `scale` (after
+    subtracting `mean` when `norm`), then clipped to [-clip, clip] when `clip` is set."""
+    if scale:
+        scores = ((scores - mean) if norm else scores) / (std + torch.finfo(scores.dtype).eps)
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores
 
 
 # ------------------------------------------------------------------------------------------------- advantages

@@ -29,6 +29,7 @@ class Rollout:
     ref_logprobs: torch.Tensor | None = None  # [B, T] log pi_ref
     values: torch.Tensor | None = None  # [B, T] V(s_t) before each response token (0 on padding)
     scores: torch.Tensor | None = None  # [B] sequence-level score, EOS penalty included
+    full_kl: torch.Tensor | None = None  # [B, T] exact per-token KL(pi_old || pi_ref), with kl_penalty="full"
 
     @property
     def response_length(self) -> int:

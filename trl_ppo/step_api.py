@@ -12,12 +12,13 @@ episodes, per-token rewards, GAE, clipped multi-epoch minibatch updates, metrics
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from . import ppo
+from .completions import show_table
 from .data import LeftPaddingCollator
 from .rollout import Rollout, chunks
 
@@ -31,6 +32,7 @@ class StepAPIMixin:
         query_tensor: torch.Tensor | Sequence[torch.Tensor],
         return_prompt: bool = True,
         batch_size: int | None = None,
+        length_sampler: Callable[[], int] | None = None,
         **generation_kwargs,
     ) -> torch.Tensor | list[torch.Tensor]:
         """Sample a response for one query (a 1-D tensor of token ids) or for each of a list of them.
@@ -39,7 +41,8 @@ class StepAPIMixin:
         `PPOTrainer`), ending at the stop token when one was sampled, without padding. Queries are sampled in
         batches of `batch_size` (default `local_rollout_forward_batch_size`). `generation_kwargs` may set
         `max_new_tokens` (default `response_length`), `temperature` and `eos_token_id`; options plain sampling
-        does not have (top_k > 0, top_p < 1, ...) sample with `transformers`' `generate`.
+        does not have (top_k > 0, top_p < 1, ...) sample with `transformers`' `generate`. `length_sampler`, a
+        callable returning an int, draws `max_new_tokens` anew for each batch (varied response lengths).
         """
         single = isinstance(query_tensor, torch.Tensor) and query_tensor.dim() == 1
         queries = _check_token_lists([query_tensor] if single else list(query_tensor), "query_tensor")
@@ -49,6 +52,8 @@ class StepAPIMixin:
         for part in chunks(len(queries), batch_size):
             batch = collate([{"input_ids": query} for query in queries[part]])
             ids, mask = self._prompts_of(batch)
+            if length_sampler is not None:
+                generation_kwargs["max_new_tokens"] = int(length_sampler())
             responses = self._sample(ids, mask, **generation_kwargs)
             stop_token_id = generation_kwargs.get("eos_token_id", self.stop_token_id)
             keep = ppo.response_mask_after_stop(responses, stop_token_id)
@@ -93,6 +98,25 @@ class StepAPIMixin:
         advantages, returns, reward_stats = self.compute_advantages(rollout)
         update_stats = self.ppo_update(rollout, advantages, returns)
         return self._end_update(rollout, reward_stats, update_stats, scores_per_reward={})
+
+    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str] = ("query", "response")):
+        """Log `step()`'s `stats` to the configured trackers (`report_to`), and show a table of the batch's
+        `columns_to_log` (texts, or token-id tensors that are decoded) with each episode's reward."""
+        self.log({key: float(value) for key, value in stats.items()})
+        columns = {}
+        for name in columns_to_log:
+            if name not in batch:
+                raise ValueError(f"`log_stats`: the batch has no {name!r} column (columns: {list(batch)}).")
+            values = batch[name]
+            if len(values) and isinstance(values[0], torch.Tensor):
+                values = self.processing_class.batch_decode(values, skip_special_tokens=True)
+            columns[name] = list(values)
+        rows = [dict(zip(columns, texts)) for texts in zip(*columns.values())]
+        for row, reward in zip(rows, _scores_tensor(rewards).tolist()):
+            row["reward"] = reward
+        if self.accelerator.is_main_process:
+            step = self.state.global_step
+            show_table(rows, f"Episodes of update {step}", self.args.report_to, step, key="episodes")
 
     def _rollout_of(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> Rollout:
         """Left-padded queries and right-padded responses as a `Rollout` on the device."""

@@ -172,6 +172,7 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
                 freeze(reward.source).to(device)
         self.rewards, self.reward_model = rewards, reward_model
         self.kl_coef = args.kl_coef  # moves under adaptive KL control (`kl_target`)
+        self.score_moments = ppo.RunningMoments()  # of all scores so far, for `use_score_scaling`
 
         # Collate a few prompts now, so that a collator that pads on the wrong side fails before any rollout.
         if train_dataset is not None:
@@ -262,7 +263,8 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
         `local_rollout_forward_batch_size` episodes."""
         args = self.args
         wrapper = self.accelerator.unwrap_model(self.model)
-        logprobs, ref_logprobs, values = [], [], []
+        full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk at a time
+        logprobs, ref_logprobs, values, full_kls = [], [], [], []
         with self.accelerator.autocast():
             for part in chunks(rollout.queries.size(0), args.local_rollout_forward_batch_size):
                 episodes = rollout.select(part)
@@ -271,10 +273,18 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
                 )
                 logprobs.append(masked_response_logprobs(logits, episodes))
                 values.append(value.float().masked_fill(~episodes.response_mask, 0.0))
-                del logits
-                ref_logprobs.append(masked_response_logprobs(self._reference_logits(episodes), episodes))
+                if not full_kl:
+                    del logits  # before the reference forward: one chunk of full logits alive at a time
+                ref_logits = self._reference_logits(episodes)
+                ref_logprobs.append(masked_response_logprobs(ref_logits, episodes))
+                if full_kl:
+                    kl = ppo.full_kl_from_logits(logits, ref_logits).masked_fill(~episodes.response_mask, 0.0)
+                    full_kls.append(kl)
+                    del logits
+                del ref_logits
         rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
         rollout.values = torch.cat(values)
+        rollout.full_kl = torch.cat(full_kls) if full_kl else None
         return rollout
 
     def score(self, rollout: Rollout, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -296,19 +306,38 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
         """KL-penalised per-token rewards -> GAE advantages (whitened) and returns, all `[B, T]`."""
         args = self.args
         mask = rollout.response_mask
-        kl = ppo.kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator).masked_fill(~mask, 0.0)
-        rewards, non_score_rewards = ppo.per_token_rewards(rollout.scores, kl, mask, self.kl_coef)
+        if args.kl_penalty == "full":
+            kl = rollout.full_kl
+        else:
+            kl = ppo.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_penalty, args.kl_estimator)
+        kl = kl.masked_fill(~mask, 0.0)
+        scores = self._shaped_scores(rollout.scores)
+        rewards, non_score_rewards = ppo.per_token_rewards(scores, kl, mask, self.kl_coef)
         if args.whiten_rewards:
             rewards = ppo.masked_whiten(rewards, mask, shift_mean=False).masked_fill(~mask, 0.0)
         advantages, returns = ppo.compute_gae(rewards, rollout.values, mask, args.gamma, args.lam)
         advantages = ppo.masked_whiten(advantages, mask).masked_fill(~mask, 0.0)
-        return advantages, returns, {"kl": kl, "non_score_rewards": non_score_rewards}
+        return advantages, returns, {"kl": kl, "non_score_rewards": non_score_rewards, "shaped_scores": scores}
+
+    def _shaped_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores as the rewards use them: scaled by the running moments (updated with this update's scores from
+        all processes) and clipped, as `use_score_scaling`, `use_score_norm` and `score_clip` say."""
+        args = self.args
+        if args.use_score_scaling:
+            self.score_moments.update(self.accelerator.gather(scores.float()))
+        moments = self.score_moments
+        return ppo.shape_scores(
+            scores, moments.mean, moments.std, args.use_score_scaling, args.use_score_norm, args.score_clip
+        )
 
     def ppo_update(self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
         """`num_ppo_epochs` passes over the batch in shuffled minibatches, one optimizer step per minibatch,
-        accumulating gradients over micro-batches. Returns per-micro-batch stats, each `[n]`."""
+        accumulating gradients over micro-batches. Returns per-micro-batch stats, each `[n]` (with
+        `early_stopping` / `ratio_threshold`, also the update's `policy/early_stop_frac` /
+        `policy/skipped_minibatches`)."""
         args = self.args
         stats = defaultdict(list)
+        planned, stepped, skipped, stop = args.num_ppo_epochs * args.num_mini_batches, 0, 0, False
         self.model.train()
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(args.local_batch_size, device=advantages.device)
@@ -329,11 +358,46 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
                     return {key: torch.stack(values) for key, values in stats.items()}
                 for key, values in minibatch_stats.items():
                     stats[key].extend(values)
+                verdict = self._minibatch_guard(minibatch_stats)
+                if verdict != "step":
+                    self.optimizer.zero_grad()
+                    skipped += verdict == "skip"
+                    stop = verdict == "stop"
+                    if stop:
+                        break  # early stopping: the rest of this update's minibatches and epochs
+                    continue
                 if args.max_grad_norm:
                     self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad()
-        return {key: torch.stack(values) for key, values in stats.items()}
+                stepped += 1
+            if stop:
+                break
+        stats = {key: torch.stack(values) for key, values in stats.items()}
+        if args.early_stopping:
+            stats["policy/early_stop_frac"] = torch.tensor([stepped / planned])
+        if args.ratio_threshold is not None:
+            stats["policy/skipped_minibatches"] = torch.tensor([float(skipped)])
+        return stats
+
+    def _minibatch_guard(self, minibatch_stats: dict) -> str:
+        """ "skip" a minibatch whose mean ratio exceeds `ratio_threshold`, "stop" the update when its mean
+        approximate KL exceeds 1.5 * `target_kl` (`early_stopping`), else "step". Decided on values averaged
+        over all processes, so that every process decides the same."""
+        args = self.args
+        if args.ratio_threshold is not None:
+            ratio = self.accelerator.reduce(torch.stack(minibatch_stats["val/ratio"]).mean().reshape(1), "mean")
+            if ratio.item() > args.ratio_threshold:
+                logger.warning(
+                    f"A minibatch of update {self.state.global_step + 1} has a mean probability ratio of "
+                    f"{ratio.item():.3g} > ratio_threshold ({args.ratio_threshold}): skipped."
+                )
+                return "skip"
+        if args.early_stopping:
+            approxkl = torch.stack(minibatch_stats["policy/approxkl_avg"]).mean().reshape(1)
+            if self.accelerator.reduce(approxkl, "mean").item() > 1.5 * args.target_kl:
+                return "stop"
+        return "step"
 
     def _losses_are_finite(self, minibatch_stats: dict) -> bool:
         losses = torch.stack(minibatch_stats["loss/policy_avg"] + minibatch_stats["loss/value_avg"])
@@ -444,6 +508,7 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
         self._skipped_updates = 0
         self._last_checkpoint = None
         self.kl_coef = args.kl_coef
+        self.score_moments = ppo.RunningMoments()
         if checkpoint is not None:
             self._restore_checkpoint(checkpoint)
         epochs = args.total_episodes / len(self.train_dataset) if self.train_dataset is not None else 1.0
@@ -469,6 +534,8 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
             self.processing_class.eos_token_id,
             self.stop_token_id,
         )
+        if args.use_score_scaling or args.score_clip is not None:
+            metrics["objective/shaped_scores"] = self.accelerator.gather(reward_stats["shaped_scores"]).mean().item()
         metrics["objective/kl_coef"] = self.kl_coef  # the coefficient this update's rewards used
         if args.kl_target is not None:
             self.kl_coef = ppo.adaptive_kl_coef(
