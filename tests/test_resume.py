@@ -78,13 +78,24 @@ class StepCounter(TrainerCallback, ExportableState):
 
 @pytest.mark.parametrize(
     "variant",
-    [dict(), dict(shared_head=True, kl_target=0.01, kl_horizon=100, reward_weights=[1.0, 0.1])],
-    ids=["value_model", "value_head+adaptive_kl+two_rewards"],
+    [
+        dict(),
+        dict(
+            shared_head=True,
+            kl_target=0.01,
+            kl_horizon=100,
+            reward_weights=[1.0, 0.1],
+            use_score_scaling=True,
+            use_score_norm=True,
+            score_clip=2.0,
+        ),
+    ],
+    ids=["value_model", "value_head+adaptive_kl+two_rewards+score_scaling"],
 )
 def test_resume_is_bitwise_identical(variant, make_config, tokenizer, load_models, prompt_dataset, tmp_path):
     """6 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit. The
     checkpoint falls between two logs (logging_steps=3), so metrics not yet logged must survive it too, and so
-    must the state of a stateful callback (and the adaptive KL coefficient)."""
+    must the state of a stateful callback (and the adaptive KL coefficient and the running score moments)."""
     straight = make(make_config, tokenizer, load_models, prompt_dataset, **variant)
     straight.train()
 
@@ -108,6 +119,8 @@ def test_resume_is_bitwise_identical(variant, make_config, tokenizer, load_model
     assert resumed.kl_coef == straight.kl_coef
     if variant.get("kl_target"):
         assert resumed.kl_coef != resumed.args.kl_coef  # it did move, so restoring it was tested
+        assert resumed.score_moments.state_dict() == straight.score_moments.state_dict()
+        assert resumed.score_moments.count == 48
 
 
 def test_resume_with_another_batch_size_or_model_names_the_difference(
