@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
 
 import torch
 from torch import nn
@@ -45,11 +44,12 @@ from .rollout import (
     unwrap_for_generation,
 )
 from .step_api import StepAPIMixin
+from .update import PPOUpdateMixin
 
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
+class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMixin, Trainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -329,120 +329,6 @@ class PPOTrainer(StepAPIMixin, CompletionsMixin, CheckpointingMixin, Trainer):
         return ppo.shape_scores(
             scores, moments.mean, moments.std, args.use_score_scaling, args.use_score_norm, args.score_clip
         )
-
-    def ppo_update(self, rollout: Rollout, advantages: torch.Tensor, returns: torch.Tensor) -> dict:
-        """`num_ppo_epochs` passes over the batch in shuffled minibatches, one optimizer step per minibatch,
-        accumulating gradients over micro-batches. Returns per-micro-batch stats, each `[n]` (with
-        `early_stopping` / `ratio_threshold`, also the update's `policy/early_stop_frac` /
-        `policy/skipped_minibatches`)."""
-        args = self.args
-        stats = defaultdict(list)
-        planned, stepped, skipped, stop = args.num_ppo_epochs * args.num_mini_batches, 0, 0, False
-        self.model.train()
-        for epoch in range(args.num_ppo_epochs):
-            order = torch.randperm(args.local_batch_size, device=advantages.device)
-            for minibatch in order.split(args.local_mini_batch_size):
-                micro_batches = minibatch.split(args.per_device_train_batch_size)
-                minibatch_stats = defaultdict(list)
-                for i, micro in enumerate(micro_batches):
-                    sync = i == len(micro_batches) - 1
-                    with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
-                        micro_stats = self._ppo_micro_step(
-                            rollout.select(micro), advantages[micro], returns[micro], len(micro_batches)
-                        )
-                    for key, value in micro_stats.items():
-                        minibatch_stats[key].append(value)
-                if not self._losses_are_finite(minibatch_stats):
-                    self.optimizer.zero_grad()
-                    self._skip_nonfinite_update(epoch)
-                    return {key: torch.stack(values) for key, values in stats.items()}
-                for key, values in minibatch_stats.items():
-                    stats[key].extend(values)
-                verdict = self._minibatch_guard(minibatch_stats)
-                if verdict != "step":
-                    self.optimizer.zero_grad()
-                    skipped += verdict == "skip"
-                    stop = verdict == "stop"
-                    if stop:
-                        break  # early stopping: the rest of this update's minibatches and epochs
-                    continue
-                if args.max_grad_norm:
-                    self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad()
-                stepped += 1
-            if stop:
-                break
-        stats = {key: torch.stack(values) for key, values in stats.items()}
-        if args.early_stopping:
-            stats["policy/early_stop_frac"] = torch.tensor([stepped / planned])
-        if args.ratio_threshold is not None:
-            stats["policy/skipped_minibatches"] = torch.tensor([float(skipped)])
-        return stats
-
-    def _minibatch_guard(self, minibatch_stats: dict) -> str:
-        """ "skip" a minibatch whose mean ratio exceeds `ratio_threshold`, "stop" the update when its mean
-        approximate KL exceeds 1.5 * `target_kl` (`early_stopping`), else "step". Decided on values averaged
-        over all processes, so that every process decides the same."""
-        args = self.args
-        if args.ratio_threshold is not None:
-            ratio = self.accelerator.reduce(torch.stack(minibatch_stats["val/ratio"]).mean().reshape(1), "mean")
-            if ratio.item() > args.ratio_threshold:
-                logger.warning(
-                    f"A minibatch of update {self.state.global_step + 1} has a mean probability ratio of "
-                    f"{ratio.item():.3g} > ratio_threshold ({args.ratio_threshold}): skipped."
-                )
-                return "skip"
-        if args.early_stopping:
-            approxkl = torch.stack(minibatch_stats["policy/approxkl_avg"]).mean().reshape(1)
-            if self.accelerator.reduce(approxkl, "mean").item() > 1.5 * args.target_kl:
-                return "stop"
-        return "step"
-
-    def _losses_are_finite(self, minibatch_stats: dict) -> bool:
-        losses = torch.stack(minibatch_stats["loss/policy_avg"] + minibatch_stats["loss/value_avg"])
-        finite = torch.isfinite(losses).all().float().reshape(1)
-        return bool(self.accelerator.reduce(finite, reduction="sum").item() == self.accelerator.num_processes)
-
-    def _skip_nonfinite_update(self, epoch: int) -> None:
-        """Drop the rest of an update whose loss is not finite, or stop the run, as `skip_nonfinite_updates` says."""
-        update = self.state.global_step + 1
-        if not self.args.skip_nonfinite_updates:
-            last = ckpt.latest_checkpoint(self.args.output_dir)
-            raise FloatingPointError(
-                f"Non-finite PPO loss at update {update} (PPO epoch {epoch + 1}); no optimizer step was taken with it. "
-                f"Last complete checkpoint: {last or 'none'}. Lower `learning_rate`, check the reward scale, or set "
-                "`skip_nonfinite_updates=True` to skip such updates."
-            )
-        self._skipped_updates += 1
-        logger.warning(
-            f"Non-finite PPO loss at update {update}: the rest of this update is skipped "
-            f"({self._skipped_updates} skipped so far)."
-        )
-
-    def _ppo_micro_step(self, episodes: Rollout, advantages, returns, num_micro_batches: int) -> dict:
-        args = self.args
-        with self.accelerator.autocast():
-            logits, new_values = self.model(
-                episodes.input_ids, episodes.attention_mask, episodes.response_length, args.temperature
-            )
-        new_logprobs = masked_response_logprobs(logits, episodes)
-        mask = episodes.response_mask
-        pg_loss, pg_stats = ppo.policy_loss(new_logprobs, episodes.logprobs, advantages, mask, args.cliprange)
-        vf_loss, vf_stats = ppo.value_loss(new_values.float(), episodes.values, returns, mask, args.cliprange_value)
-        loss = pg_loss + args.vf_coef * vf_loss
-        self.accelerator.backward(loss / num_micro_batches)
-        with torch.no_grad():
-            entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), mask)
-        return {
-            "policy/approxkl_avg": pg_stats["approxkl"],
-            "policy/clipfrac_avg": pg_stats["clipfrac"],
-            "loss/policy_avg": pg_loss.detach(),
-            "loss/value_avg": vf_loss.detach(),
-            "val/clipfrac_avg": vf_stats["clipfrac"],
-            "policy/entropy_avg": entropy,
-            "val/ratio": pg_stats["ratio"],
-        }
 
     # ------------------------------------------------------------------------------------------ rollout parts
     def _prompts_of(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
