@@ -39,6 +39,7 @@ def test_shape_scores_by_hand():
     torch.testing.assert_close(ppo.shape_scores(scores, 1.0, 2.0, True, False, 1.2), torch.tensor([1.0, 1.2]))
     torch.testing.assert_close(ppo.shape_scores(-scores, 0.0, 1.0, False, False, 3.0), torch.tensor([-2.0, -3.0]))
     assert ppo.shape_scores(scores, 1.0, 2.0, False, False, None) is scores  # everything off: untouched
+    torch.testing.assert_close(ppo.shape_scores(scores, 3.0, 0.0, True, True, None), torch.tensor([-1.0, 1.0]))
 
 
 def test_running_moments_over_a_stream_give_unit_variance():

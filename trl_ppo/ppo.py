@@ -205,9 +205,10 @@ def shape_scores(
     scores: torch.Tensor, mean: float, std: float, scale: bool, norm: bool, clip: float | None
 ) -> torch.Tensor:
     """Score shaping of TRL's first PPOTrainer. scores `[B]` -> `[B]`: divided by `std` when `scale` (after
-    subtracting `mean` when `norm`), then clipped to [-clip, clip] when `clip` is set."""
+    subtracting `mean` when `norm`), then clipped to [-clip, clip] when `clip` is set. A `std` of 0 (every score
+    so far equal) leaves the scale alone rather than multiplying the scores by 1/eps."""
     if scale:
-        scores = ((scores - mean) if norm else scores) / (std + torch.finfo(scores.dtype).eps)
+        scores = ((scores - mean) if norm else scores) / (std if std > 1e-8 else 1.0)
     if clip is not None:
         scores = scores.clamp(-clip, clip)
     return scores

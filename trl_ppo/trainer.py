@@ -1,7 +1,8 @@
 """`PPOTrainer`: orchestration of the PPOv2 loop on top of `transformers.Trainer`.
 
 One update reads like the algorithm: rollout -> score -> advantages -> PPO update -> log. The math is in
-`ppo.py`, sampling in `rollout.py`, scoring in `rewards.py`, model plumbing in `models.py`.
+`ppo.py`, sampling in `rollout.py`, scoring in `rewards.py`, the optimisation of an update in `update.py`, model
+plumbing in `models.py`; `step_api.py` runs the same pieces on episodes made outside the trainer.
 """
 
 from __future__ import annotations
