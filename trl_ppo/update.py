@@ -66,15 +66,16 @@ class PPOUpdateMixin:
                 break
         stats = {key: torch.stack(values) for key, values in stats.items()}
         if args.early_stopping:
-            stats["policy/early_stop_frac"] = torch.tensor([stepped / planned])
+            stats["policy/early_stop_frac"] = torch.tensor([stepped / planned], device=advantages.device)
         if args.ratio_threshold is not None:
-            stats["policy/skipped_minibatches"] = torch.tensor([float(skipped)])
+            stats["policy/skipped_minibatches"] = torch.tensor([float(skipped)], device=advantages.device)
         return stats
 
     def _minibatch_guard(self, minibatch_stats: dict) -> str:
-        """ "skip" a minibatch whose mean ratio exceeds `ratio_threshold`, "stop" the update when its mean
-        approximate KL exceeds 1.5 * `target_kl` (`early_stopping`), else "step". Decided on values averaged
-        over all processes, so that every process decides the same."""
+        """What to do with a minibatch whose gradients are ready: "skip" it when its mean ratio exceeds
+        `ratio_threshold`, "stop" the update when its mean approximate KL exceeds 1.5 * `target_kl`
+        (`early_stopping`), else "step". Decided on values averaged over all processes, so that every process
+        decides the same."""
         args = self.args
         if args.ratio_threshold is not None:
             ratio = self.accelerator.reduce(torch.stack(minibatch_stats["val/ratio"]).mean().reshape(1), "mean")
