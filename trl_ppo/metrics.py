@@ -57,8 +57,8 @@ def reward_metrics(scores_per_reward: dict, accelerator) -> dict[str, float]:
     metrics = {}
     for name, (scores, present) in scores_per_reward.items():
         scored = torch.ones_like(scores, dtype=torch.bool) if present is None else present
-        local = torch.stack([scores.float().masked_fill(~scored, 0.0).sum(), scored.sum().float()])
-        local = torch.cat([local, local.new_tensor([scores.numel()])])
+        scored_sum = scores.float().masked_fill(~scored, 0.0).sum()
+        local = torch.stack([scored_sum, scored.float().sum(), scored_sum.new_tensor(float(scores.numel()))])
         total, count, episodes = accelerator.gather(local.unsqueeze(0)).sum(0).tolist()
         if count > 0:
             metrics[f"objective/scores/{name}"] = total / count
