@@ -68,6 +68,18 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def response_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+    """The model's forward over prompt + response `[B, L]`, with the LM head (and a value head, if any) applied
+    only to the `response_length + 1` last positions (`logits_to_keep`), so no logits of the prompt exist."""
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=response_length + 1,
+        use_cache=False,
+    )
+
+
 def policy_response_logits(
     policy: nn.Module,
     input_ids: torch.Tensor,
@@ -76,18 +88,8 @@ def policy_response_logits(
     temperature: float,
 ) -> torch.Tensor:
     """Logits that predict the last `response_length` tokens of `input_ids` `[B, L]`, divided by `temperature`
-    exactly as during sampling. -> `[B, response_length, V]`.
-
-    Only the needed positions go through the LM head (`logits_to_keep`), so no logits of the prompt exist.
-    """
-    output = policy(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=response_length + 1,
-        use_cache=False,
-    )
-    return output.logits[:, :-1] / temperature
+    exactly as during sampling. -> `[B, response_length, V]`."""
+    return response_forward(policy, input_ids, attention_mask, response_length).logits[:, :-1] / temperature
 
 
 def scalar_head_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -147,13 +149,7 @@ class PolicyAndValueWrapper(nn.Module):
     def forward(self, input_ids, attention_mask, response_length: int, temperature: float):
         """-> (policy logits for the response `[B, T, V]`, values for the response `[B, T]`, float32)."""
         if self.value_model is None:  # one forward pass for both
-            output = self.policy(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask),
-                logits_to_keep=response_length + 1,
-                use_cache=False,
-            )
+            output = response_forward(self.policy, input_ids, attention_mask, response_length)
             return output.logits[:, :-1] / temperature, output.value[:, :-1].float()
         logits = policy_response_logits(self.policy, input_ids, attention_mask, response_length, temperature)
         values = scalar_head_outputs(self.value_model, input_ids, attention_mask)
