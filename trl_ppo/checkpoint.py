@@ -182,8 +182,8 @@ def load_weights_into(model: torch.nn.Module, folder: str) -> None:
 
     if is_value_head_model(model):  # the causal LM as below, then its head
         load_weights_into(model.pretrained_model, folder)
-        head = load_file(os.path.join(folder, VALUE_HEAD_FILE))
-        model.v_head.load_state_dict(sub_state_dict(head, "v_head."))
+        if not model.load_value_head(folder):
+            raise FileNotFoundError(f"{folder} has no {VALUE_HEAD_FILE}: it was not written by a value-head policy.")
         return
     adapter = os.path.join(folder, "adapter_model.safetensors")
     if os.path.isfile(adapter):

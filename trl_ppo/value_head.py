@@ -79,10 +79,16 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
 
             lm = get_peft_model(lm, peft_config)
         model = cls(lm)
-        state = _load_value_head_state(source, kwargs.get("revision")) if source is not None else None
-        if state is not None:
-            model.v_head.load_state_dict(sub_state_dict(state, "v_head."))
+        if source is not None:
+            model.load_value_head(source, kwargs.get("revision"))
         return model
+
+    def load_value_head(self, source: str, revision: str | None = None) -> bool:
+        """Load `value_head.safetensors` of a local folder or hub repo into `v_head`; False when it has none."""
+        state = _load_value_head_state(source, revision)
+        if state is not None:
+            self.v_head.load_state_dict(sub_state_dict(state, "v_head."))
+        return state is not None
 
     def save_pretrained(self, save_directory: str, state_dict: dict | None = None, **kwargs) -> None:
         """Write the LM (or its PEFT adapter) with `save_pretrained` and the head to `value_head.safetensors`.
