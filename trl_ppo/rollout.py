@@ -6,7 +6,6 @@ response ids out); a faster backend is a new function of that shape, not a new t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from . import ppo
+from .distributed import all_processes
 from .models import position_ids_from_mask
 
 
@@ -60,12 +60,14 @@ def sample_responses(
     temperature: float,
     stop_token_id: int | None,
     pad_token_id: int,
+    synced_processes: bool = False,
 ) -> torch.Tensor:
     """Sample `response_length` tokens after each left-padded prompt with a KV cache. -> `[B, response_length]`.
 
     Tokens are drawn from softmax(logits / temperature) over the whole vocabulary (no top-k/top-p), the same
     distribution the training forward computes. After a row's stop token the row is filled with
-    `pad_token_id`; sampling stops early once every row has stopped.
+    `pad_token_id`; sampling stops early once every row has stopped, on every process when `synced_processes`
+    (ZeRO-3 with partitioned weights: each forward is a collective, so all processes step together).
     """
     batch_size = queries.size(0)
     attention_mask = query_mask.long()
@@ -76,16 +78,20 @@ def sample_responses(
     next_position = position_ids[:, -1:] + 1
     finished = torch.zeros(batch_size, dtype=torch.bool, device=queries.device)
     tokens = []
-    for step in range(response_length):
+    step = 0
+    while True:
         probs = torch.softmax(output.logits[:, -1, :].float() / temperature, dim=-1)
         next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
         next_tokens = next_tokens.masked_fill(finished, pad_token_id)
-        tokens.append(next_tokens)
+        if step < response_length:
+            tokens.append(next_tokens)
         if stop_token_id is not None:
             finished |= next_tokens == stop_token_id
-            if bool(finished.all()):
-                break
-        if step + 1 == response_length:
+        step += 1
+        done = step >= response_length or bool(finished.all())
+        if synced_processes:
+            done = all_processes(done, queries.device)
+        if done:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, 1)], dim=1)
         output = model(
@@ -112,6 +118,7 @@ def generate_with_transformers(
     temperature: float,
     stop_token_id: int | None,
     pad_token_id: int,
+    synced_processes: bool = False,
     **generation_kwargs,
 ) -> torch.Tensor:
     """`sample_responses` through `model.generate`, for sampling options the KV-cache loop does not have
@@ -128,6 +135,7 @@ def generate_with_transformers(
         temperature=temperature,
         eos_token_id=stop_token_id,
         pad_token_id=pad_token_id,
+        synced_gpus=synced_processes,
         **generation_kwargs,
     )
     responses = ppo.truncate_after_stop_token(output[:, queries.size(1) :], stop_token_id, pad_token_id)
@@ -158,21 +166,6 @@ def generation_backend(generation_kwargs: dict, response_length: int, temperatur
     if kwargs:
         return functools.partial(generate_with_transformers, **kwargs), settings
     return sample_responses, settings
-
-
-@contextlib.contextmanager
-def unwrap_for_generation(model: nn.Module, accelerator, gather_deepspeed3_params: bool = True):
-    """The bare policy for sampling; under DeepSpeed ZeRO-3 its partitioned weights are gathered once for the
-    whole rollout (`gather_deepspeed3_params=True`) instead of at every layer of every sampled token."""
-    unwrapped = accelerator.unwrap_model(model)
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None or plugin.zero_stage != 3 or not gather_deepspeed3_params:
-        yield unwrapped
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        yield unwrapped
 
 
 def chunks(batch_size: int, chunk_size: int):

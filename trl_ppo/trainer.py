@@ -13,15 +13,30 @@ import time
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainerState
+from transformers import (
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+    TrainerState,
+    TrainingArguments,
+    set_seed,
+)
 from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
+from . import distributed as dist
 from . import ppo
 from .checkpoint import CheckpointingMixin
 from .completions import CompletionsMixin
-from .config import OnPolicyConfig, PPOConfig, compute_batch_sizes, stop_and_penalty_tokens, validate_config
+from .config import (
+    OnPolicyConfig,
+    PPOConfig,
+    check_deepspeed_support,
+    compute_batch_sizes,
+    stop_and_penalty_tokens,
+    validate_config,
+)
 from .data import LeftPaddingCollator, SharedOrderBatchSampler, fit_prompts, prepare_prompt_dataset
 from .metrics import MetricsSinceLog, update_metrics
 from .models import (
@@ -42,7 +57,6 @@ from .rollout import (
     chunks,
     generation_backend,
     masked_response_logprobs,
-    unwrap_for_generation,
 )
 from .step_api import StepAPIMixin
 from .update import PPOUpdateMixin
@@ -143,6 +157,8 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
             data_collator = LeftPaddingCollator(processing_class.pad_token_id)
 
         use_cache = getattr(model.config, "use_cache", None)
+        # The `world_size` field shadows `TrainingArguments.world_size`, which DeepSpeed's set-up in `Trainer` reads.
+        args.world_size = TrainingArguments.world_size.fget(args)
         super().__init__(
             model=PolicyAndValueWrapper(model, value_model),
             args=args,
@@ -165,12 +181,7 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
                 "add prompts or lower the batch size."
             )
 
-        # Frozen models live on the device, outside the optimizer.
-        device = self.accelerator.device
-        self.ref_model = None if ref_model is None else freeze(ref_model).to(device)
-        for reward in rewards:
-            if reward.is_model:
-                freeze(reward.source).to(device)
+        check_deepspeed_support(args, self.is_deepspeed_enabled)
         self.rewards, self.reward_model = rewards, reward_model
         self.kl_coef = args.kl_coef  # moves under adaptive KL control (`kl_target`)
         self.score_moments = ppo.RunningMoments()  # of all scores so far, for `use_score_scaling`
@@ -181,10 +192,38 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
 
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
+        dist.fit_deepspeed_batch_layout(self.accelerator, args.per_device_train_batch_size, args.local_mini_batch_size)
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         self.train_dataloader = None if train_dataset is None else self.accelerator.prepare(self.get_train_dataloader())
         self.model_wrapped = self.model
+        if self.is_deepspeed_enabled:
+            self.deepspeed = self.model  # `Trainer.save_model` / checkpointing read the engine from here
+
+        # Frozen models (reference, reward models): on the device, or partitioned under ZeRO-3; never optimized.
+        self._inference_engines = []  # ZeRO-3 engines whose hooks the frozen models need
+        self.ref_model = None if ref_model is None else self._place_frozen(ref_model)
+        for reward in rewards:
+            if reward.is_model:
+                reward.source = self._place_frozen(reward.source)
+
+        # Every process samples with its own seed; the data order was fixed above from `seed` alone.
+        set_seed(dist.process_seed(args.seed, self.accelerator.process_index))
         self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
+
+    def _place_frozen(self, model: nn.Module) -> nn.Module:
+        module, engine = dist.prepare_frozen_model(freeze(model), self.accelerator)
+        if engine is not None:
+            self._inference_engines.append(engine)
+        return module
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """`Trainer`'s `Accelerator` arguments, plus the process group that `--ddp_backend` / `--ddp_timeout` ask
+        for (`Trainer` passes them only to its own device setup, which DeepSpeed bypasses)."""
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        handler = dist.process_group_kwargs(self.args.ddp_backend, self.args.ddp_timeout)
+        if handler is not None:
+            accelerator_args["kwargs_handlers"] = [*accelerator_args.get("kwargs_handlers", []), handler]
+        return accelerator_args
 
     # ------------------------------------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -354,7 +393,10 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
         sample, settings = generation_backend(
             generation_kwargs, args.response_length, args.temperature, self.stop_token_id
         )
-        with unwrap_for_generation(self.model, self.accelerator, args.ds3_gather_for_generation) as wrapper:
+        wrapper = self.accelerator.unwrap_model(self.model)
+        gather = args.ds3_gather_for_generation
+        settings["synced_processes"] = dist.sampling_needs_sync(self.accelerator, gather)
+        with dist.gathered_for_generation(wrapper, self.accelerator, gather):
             was_training = wrapper.training
             wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
             try:

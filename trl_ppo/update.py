@@ -36,8 +36,7 @@ class PPOUpdateMixin:
                 micro_batches = minibatch.split(args.per_device_train_batch_size)
                 minibatch_stats = defaultdict(list)
                 for i, micro in enumerate(micro_batches):
-                    sync = i == len(micro_batches) - 1
-                    with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.model):
+                    with self._accumulating(last=i == len(micro_batches) - 1):
                         micro_stats = self._ppo_micro_step(
                             rollout.select(micro), advantages[micro], returns[micro], len(micro_batches)
                         )
@@ -70,6 +69,15 @@ class PPOUpdateMixin:
         if args.ratio_threshold is not None:
             stats["policy/skipped_minibatches"] = torch.tensor([float(skipped)], device=advantages.device)
         return stats
+
+    def _accumulating(self, last: bool):
+        """The context of one micro-batch's backward: gradients are synchronised (and, under DeepSpeed, the optimizer
+        steps) only after the minibatch's `last` micro-batch."""
+        if self.is_deepspeed_enabled:
+            # DeepSpeed reads the boundary from accelerate's flag (`Trainer` keeps accelerate's own accumulation off).
+            self.accelerator.gradient_state._set_sync_gradients(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
 
     def _minibatch_guard(self, minibatch_stats: dict) -> str:
         """What to do with a minibatch whose gradients are ready: "skip" it when its mean ratio exceeds
@@ -123,7 +131,9 @@ class PPOUpdateMixin:
         pg_loss, pg_stats = ppo.policy_loss(new_logprobs, episodes.logprobs, advantages, mask, args.cliprange)
         vf_loss, vf_stats = ppo.value_loss(new_values.float(), episodes.values, returns, mask, args.cliprange_value)
         loss = pg_loss + args.vf_coef * vf_loss
-        self.accelerator.backward(loss / num_micro_batches)
+        if not self.is_deepspeed_enabled:  # DeepSpeed divides by its gradient_accumulation_steps (= this count)
+            loss = loss / num_micro_batches
+        self.accelerator.backward(loss)
         with torch.no_grad():
             entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), mask)
         return {

@@ -1,0 +1,125 @@
+"""Several processes and DeepSpeed: the process group, per-process seeds, DeepSpeed's batch layout, the frozen
+models under ZeRO-3, and the policy's weights gathered for sampling.
+
+Everything here is a no-op in a single process without DeepSpeed, so the trainer calls it unconditionally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from datetime import timedelta
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# Process i samples with seed `seed + i * PROCESS_SEED_STRIDE`: the processes draw different responses to their
+# different prompts, while the data order (seeded by `seed` alone) is the same everywhere. A large prime keeps the
+# seeds of runs with neighbouring `seed` values apart.
+PROCESS_SEED_STRIDE = 100003
+
+
+def process_seed(seed: int, process_index: int) -> int:
+    return seed + process_index * PROCESS_SEED_STRIDE
+
+
+def process_group_kwargs(ddp_backend: str | None, ddp_timeout: int | None):
+    """The `InitProcessGroupKwargs` handler that makes `Accelerator` use `--ddp_backend` (e.g. gloo for DeepSpeed on
+    CPU, where DeepSpeed would otherwise set up its own group) and `--ddp_timeout`; None when neither is set."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    kwargs = {}
+    if ddp_backend is not None:
+        kwargs["backend"] = ddp_backend
+    if ddp_timeout is not None:
+        kwargs["timeout"] = timedelta(seconds=ddp_timeout)
+    return InitProcessGroupKwargs(**kwargs) if kwargs else None
+
+
+def deepspeed_zero_stage(accelerator) -> int | None:
+    """The ZeRO stage of the run, or None without DeepSpeed."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return None if plugin is None else int(plugin.zero_stage)
+
+
+def fit_deepspeed_batch_layout(accelerator, per_device_train_batch_size: int, local_mini_batch_size: int) -> None:
+    """Tell DeepSpeed how many micro-batches make one optimizer step: those of one PPO minibatch,
+    `gradient_accumulation_steps / num_mini_batches`, not `gradient_accumulation_steps` as in supervised training.
+    DeepSpeed divides the loss by this count and steps at its boundary."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    micro_batches_per_step = local_mini_batch_size // per_device_train_batch_size
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = per_device_train_batch_size
+    config["gradient_accumulation_steps"] = micro_batches_per_step
+    config["train_batch_size"] = per_device_train_batch_size * micro_batches_per_step * accelerator.num_processes
+
+
+def prepare_frozen_model(model: nn.Module, accelerator) -> tuple[nn.Module, object | None]:
+    """Place a frozen model (reference, reward) for inference -> (the module to call, the engine to keep alive).
+
+    Under ZeRO-3 it is partitioned like the policy by an inference-only DeepSpeed engine (no optimizer), whose hooks
+    gather each layer's weights when it runs; the module itself stays callable, submodules included. Otherwise (ZeRO
+    stages 0-2, DDP, one process) it is copied whole to the device: it has no gradients or optimizer state to shard.
+    """
+    if deepspeed_zero_stage(accelerator) != 3:
+        return model.to(accelerator.device), None
+    import deepspeed
+
+    config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    zero = config.setdefault("zero_optimization", {})
+    hidden_size = _hidden_size(model)
+    if hidden_size is not None:  # DeepSpeed's own sizing rule for the buckets a user left to "auto"
+        for key, value in (
+            ("reduce_bucket_size", hidden_size * hidden_size),
+            ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+            ("stage3_param_persistence_threshold", 10 * hidden_size),
+        ):
+            if zero.get(key, "auto") == "auto":
+                zero[key] = value
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine.module, engine
+
+
+def _hidden_size(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for key in ("hidden_size", "hidden_sizes", "d_model", "n_embd"):
+        value = getattr(config, key, None)
+        if value is not None:
+            return max(value) if isinstance(value, (list, tuple)) else int(value)
+    return None
+
+
+@contextlib.contextmanager
+def gathered_for_generation(wrapper: nn.Module, accelerator, gather: bool = True):
+    """While sampling: under ZeRO-3 with `gather=True`, the policy's partitioned weights gathered once on every
+    process for the whole rollout (instead of per layer and per sampled token). Elsewhere nothing happens."""
+    if deepspeed_zero_stage(accelerator) != 3 or not gather:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(wrapper.lm.parameters())):
+        yield
+
+
+def sampling_needs_sync(accelerator, gather: bool) -> bool:
+    """Whether every process must run the same number of forwards while sampling: under ZeRO-3 without gathered
+    weights each forward is a collective, so a process whose responses all stopped keeps stepping with the others."""
+    return deepspeed_zero_stage(accelerator) == 3 and not gather and accelerator.num_processes > 1
+
+
+def all_processes(flag: bool, device: torch.device) -> bool:
+    """True when `flag` holds on every process (a one-element all-reduce; `flag` itself without a process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    value = torch.tensor([1 if flag else 0], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return bool(value.item())
