@@ -9,6 +9,7 @@ written under `tmp-checkpoint-<update>` and renamed into place only when complet
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -298,8 +299,6 @@ class CheckpointingMixin:
                     "run in another `output_dir`."
                 )
             return None
-        if self.is_deepspeed_enabled:
-            raise NotImplementedError("Resuming a PPO run under DeepSpeed is not supported yet.")
         if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "latest"):
             path = latest_checkpoint(output_dir)
             if path is None:
@@ -318,15 +317,26 @@ class CheckpointingMixin:
         with open(os.path.join(path, PPO_STATE_NAME), encoding="utf-8") as handle:
             saved = json.load(handle)
         check_resumable(saved["identity"], self._run_identity, path)
-        if not os.path.isfile(os.path.join(path, "optimizer.pt")):
+        deepspeed_state = glob.glob(os.path.join(path, "global_step*"))
+        if self.is_deepspeed_enabled != bool(deepspeed_state):
+            raise ValueError(
+                f"{path} was written {'with' if deepspeed_state else 'without'} DeepSpeed, and this run is "
+                f"{'' if self.is_deepspeed_enabled else 'not '}under DeepSpeed: resume it the way it was launched."
+            )
+        if not (deepspeed_state or os.path.isfile(os.path.join(path, "optimizer.pt"))):
             raise ValueError(
                 f"{path} has no optimizer state (written with `save_only_model=True`): it cannot be resumed."
             )
-        wrapper = self.accelerator.unwrap_model(self.model)
-        load_weights_into(wrapper.policy, path)
-        if wrapper.value_model is not None:
-            load_weights_into(wrapper.value_model, os.path.join(path, "value_model"))
-        self._load_optimizer_and_scheduler(path)
+        if self.is_deepspeed_enabled:  # weights and optimizer state, each process its own partition
+            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+            deepspeed_load_checkpoint(self.model_wrapped, path)
+        else:
+            wrapper = self.accelerator.unwrap_model(self.model)
+            load_weights_into(wrapper.policy, path)
+            if wrapper.value_model is not None:
+                load_weights_into(wrapper.value_model, os.path.join(path, "value_model"))
+        self._load_optimizer_and_scheduler(path)  # under DeepSpeed, the scheduler only
         self.state = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
         self._restore_callback_states()
         self.state.episode = saved["episode"]
@@ -398,7 +408,7 @@ class CheckpointingMixin:
         if value_model is None:  # a value head, saved with the policy
             return
         state_dict = None
-        if self.is_deepspeed_enabled:
-            state_dict = sub_state_dict(self.accelerator.get_state_dict(self.model), "value_model.")
+        if self.is_deepspeed_enabled:  # a collective; under ZeRO-3 only the main process receives the weights
+            state_dict = sub_state_dict(self.accelerator.get_state_dict(self.model) or {}, "value_model.")
         if self.args.should_save:
             value_model.save_pretrained(output_dir, state_dict=state_dict)

@@ -194,7 +194,9 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         dist.fit_deepspeed_batch_layout(self.accelerator, args.per_device_train_batch_size, args.local_mini_batch_size)
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
-        self.train_dataloader = None if train_dataset is None else self.accelerator.prepare(self.get_train_dataloader())
+        # Not given to `accelerator.prepare`: it would shard the batches a second time (the sampler already gives
+        # each process its slice of every global batch); `_prompts_of` moves them to the device.
+        self.train_dataloader = None if train_dataset is None else self.get_train_dataloader()
         self.model_wrapped = self.model
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model  # `Trainer.save_model` / checkpointing read the engine from here

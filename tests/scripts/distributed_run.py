@@ -1,0 +1,99 @@
+"""A tiny PPO run for the multi-process tests, launched with `accelerate launch` (DDP or DeepSpeed).
+
+    accelerate launch ... tests/scripts/distributed_run.py --report_dir DIR [--value head] [--final_model_dir D]
+        [any PPOConfig flag]
+
+A tiny random-init policy, value model and reward model (a sequence classifier) built from configs; the
+reference is the trainer's own frozen copy. Each process writes `DIR/rank<i>.json` (its log history, seed,
+world size) and `DIR/weights_rank<i>.pt` (the full policy and value weights after training, gathered under
+ZeRO-3), and `DIR/initial_weights.pt` holds the weights before training.
+"""
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+torch.set_num_threads(1)  # one thread per process: two processes share the two cores
+
+from transformers import HfArgumentParser, TrainerCallback  # noqa: E402
+
+from trl_ppo import PPOConfig, PPOTrainer  # noqa: E402
+from trl_ppo.default_job import build_tiny_models, build_word_tokenizer, default_prompts  # noqa: E402
+
+
+@dataclass
+class RunArgs:
+    report_dir: str = field(metadata={"help": "Where each process writes its report and weights."})
+    value: str = field(default="separate", metadata={"help": "'separate' value model, or a value 'head'."})
+    final_model_dir: str | None = field(default=None, metadata={"help": "`save_model()` here after training."})
+
+
+class RecordSeed(TrainerCallback):
+    """The seed of this process's global RNG when training begins."""
+
+    seed = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        RecordSeed.seed = torch.initial_seed()
+
+
+def full_weights(trainer) -> dict:
+    """The wrapper's full state dict on this process (ZeRO-3 partitions gathered), on the CPU."""
+    wrapper = trainer.accelerator.unwrap_model(trainer.model)
+    gathered = contextlib.nullcontext()
+    if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(wrapper.parameters()))
+    with gathered:
+        return {name: tensor.detach().cpu().clone() for name, tensor in wrapper.state_dict().items()}
+
+
+def main() -> None:
+    run_args, config = HfArgumentParser((RunArgs, PPOConfig)).parse_args_into_dataclasses()
+    tokenizer = build_word_tokenizer()
+    policy, value_model = build_tiny_models(tokenizer, hidden_size=64, seed=0)
+    _, reward_model = build_tiny_models(tokenizer, hidden_size=64, seed=1)
+    if run_args.value == "head":
+        value_model = None
+    initial = {f"policy.{k}": v.clone() for k, v in policy.state_dict().items()}
+    if value_model is not None:
+        initial.update({f"value_model.{k}": v.clone() for k, v in value_model.state_dict().items()})
+
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,
+        reward_model=reward_model,
+        value_model=value_model,
+        train_dataset=default_prompts(),
+        callbacks=[RecordSeed()],
+    )
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    weights = full_weights(trainer)
+    if run_args.final_model_dir:
+        trainer.save_model(run_args.final_model_dir)
+
+    rank = trainer.accelerator.process_index
+    os.makedirs(run_args.report_dir, exist_ok=True)
+    torch.save(weights, os.path.join(run_args.report_dir, f"weights_rank{rank}.pt"))
+    if rank == 0:
+        torch.save(initial, os.path.join(run_args.report_dir, "initial_weights.pt"))
+    report = {
+        "rank": rank,
+        "world_size": trainer.accelerator.num_processes,
+        "seed": RecordSeed.seed,
+        "global_step": trainer.state.global_step,
+        "log_history": trainer.state.log_history,
+    }
+    with open(os.path.join(run_args.report_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump(report, handle)
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Several processes on the CPU: DDP over gloo and DeepSpeed ZeRO-2/3, each launched with `accelerate launch` and
+the shipped configs in examples/accelerate_configs/, running tests/scripts/distributed_run.py.
+
+Run alone with `pytest -m distributed`; skip with `pytest -m "not distributed"`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "distributed_run.py"
+CONFIGS = ROOT / "examples" / "accelerate_configs"
+LAUNCH = {  # how each layout is launched: accelerate config, extra environment, script flags
+    "ddp": ("multi_cpu.yaml", {"ACCELERATE_USE_CPU": "true"}, []),
+    "zero2": ("deepspeed_zero2_cpu.yaml", {}, ["--ddp_backend", "gloo"]),
+    "zero3": ("deepspeed_zero3_cpu.yaml", {}, ["--ddp_backend", "gloo"]),
+}
+# Two updates of a global batch of 16 (2 processes x 4 per device x 2 accumulation steps).
+RUN_FLAGS = [
+    "--per_device_train_batch_size", "4",
+    "--gradient_accumulation_steps", "2",
+    "--total_episodes", "32",
+    "--response_length", "8",
+    "--local_rollout_forward_batch_size", "4",
+    "--num_ppo_epochs", "2",
+    "--learning_rate", "1e-3",
+    "--num_sample_generations", "0",
+    "--logging_steps", "1",
+    "--save_strategy", "no",
+    "--report_to", "none",
+    "--seed", "5",
+    "--disable_tqdm", "true",
+]  # fmt: skip
+STOP_AT_EOS = ["--stop_token", "eos"]
+
+
+@pytest.fixture(scope="module")
+def extensions_dir(tmp_path_factory):
+    """DeepSpeed builds a small CPU op with g++ on first use (about 25 s): once per test session, in a folder the
+    tests own."""
+    return str(tmp_path_factory.mktemp("torch_extensions"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(layout: str, report_dir: Path, *flags: str, extensions_dir: str, timeout: int = 240) -> list[dict]:
+    """Run the script in 2 processes with `layout` ("ddp", "zero2", "zero3"), or in 1 plain process ("single");
+    -> each process's report (see distributed_run.py)."""
+    env = dict(
+        os.environ,
+        TORCH_EXTENSIONS_DIR=extensions_dir,
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    script = [str(SCRIPT), "--report_dir", str(report_dir), "--output_dir", str(report_dir / "out"), *RUN_FLAGS, *flags]
+    if layout == "single":
+        command = [sys.executable, *script]
+    else:
+        config, extra_env, layout_flags = LAUNCH[layout]
+        env.update(extra_env)
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]
+        command += ["--main_process_port", str(free_port()), *script, *layout_flags]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    reports = sorted(report_dir.glob("rank*.json"))
+    return [json.loads(path.read_text()) for path in reports]
+
+
+def weights(report_dir: Path, rank: int = 0) -> dict:
+    return torch.load(report_dir / f"weights_rank{rank}.pt")
+
+
+def initial_weights(report_dir: Path) -> dict:
+    return torch.load(report_dir / "initial_weights.pt")
+
+
+def max_difference(a: dict, b: dict, prefix: str) -> float:
+    """The largest elementwise difference over the tensors named `prefix...` in both (a value-head policy's
+    `policy.pretrained_model.x` is compared with a plain policy's `policy.x`)."""
+    a = {k.replace("pretrained_model.", ""): v for k, v in a.items()}
+    b = {k.replace("pretrained_model.", ""): v for k, v in b.items()}
+    names = [k for k in a if k.startswith(prefix) and k in b]
+    assert names, f"no tensors named {prefix}... in both"
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in names)
+
+
+def without_timing(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in entry.items() if k != "eps"} for entry in history]
+
+
+def check_ranks_agree(reports: list[dict], report_dir: Path) -> None:
+    """Both processes logged the same gathered metrics and hold the same weights, and sampled with different seeds."""
+    assert [r["world_size"] for r in reports] == [2, 2]
+    assert without_timing(reports[0]["log_history"]) == without_timing(reports[1]["log_history"])
+    assert reports[0]["seed"] != reports[1]["seed"]
+    first, second = weights(report_dir, 0), weights(report_dir, 1)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, extensions_dir):
+    # Near-greedy sampling (temperature 1e-6) makes the responses independent of how the batch is split, and SGD
+    # keeps the gradient's scale visible. The value model's gradient is then the same mean over the 16 episodes in
+    # both layouts, so its weights after the first update agree to float precision; objective/scores and the value
+    # loss of that update agree too. (The policy's loss differs by design: advantages are whitened per process.)
+    flags = ["--temperature", "1e-6", "--optim", "sgd", "--learning_rate", "0.05", "--num_ppo_epochs", "1"]
+    flags += ["--total_episodes", "16"]  # and no stop token: every micro-batch has the same number of tokens
+    two = launch("ddp", tmp_path / "ddp", *flags, extensions_dir=extensions_dir)
+    one = launch(
+        "single", tmp_path / "one", *flags, "--per_device_train_batch_size", "8", extensions_dir=extensions_dir
+    )
+    check_ranks_agree(two, tmp_path / "ddp")
+    assert one[0]["world_size"] == 1
+    two_log, one_log = two[0]["log_history"][0], one[0]["log_history"][0]
+    assert two_log["episode"] == one_log["episode"] == 16
+    assert two_log["objective/scores"] == pytest.approx(one_log["objective/scores"], abs=1e-5)
+    assert two_log["loss/value_avg"] == pytest.approx(one_log["loss/value_avg"], rel=1e-5)
+    two_weights, one_weights = weights(tmp_path / "ddp"), weights(tmp_path / "one")
+    assert max_difference(two_weights, initial_weights(tmp_path / "one"), "value_model.") > 1e-4  # it learned
+    assert max_difference(two_weights, one_weights, "value_model.") < 1e-6
+
+
+def check_saved_model(folder: Path, final: dict, prefix: str = "policy.") -> None:
+    """`save_model` wrote a normal Hugging Face folder holding the full trained policy."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    expected = {k[len(prefix) :]: v for k, v in final.items() if k.startswith(prefix)}
+    expected = {k.removeprefix("pretrained_model."): v for k, v in expected.items() if not k.startswith("v_head.")}
+    assert set(loaded) == set(expected)
+    for name, tensor in loaded.items():
+        assert tensor.shape == expected[name].shape and tensor.numel() > 0
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_trains_and_saves_a_full_model(tmp_path, extensions_dir, stage):
+    report_dir = tmp_path / stage
+    reports = launch(
+        stage, report_dir, *STOP_AT_EOS, "--final_model_dir", str(tmp_path / "saved"), extensions_dir=extensions_dir
+    )
+    check_ranks_agree(reports, report_dir)
+    assert reports[0]["global_step"] == 2
+    final = weights(report_dir)
+    assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
+    assert max_difference(final, initial_weights(report_dir), "value_model.") > 1e-4
+    check_saved_model(tmp_path / "saved", final)
+
+
+def test_zero3_samples_from_partitioned_weights(tmp_path, extensions_dir):
+    # ds3_gather_for_generation=False: every sampled token runs layer by layer on partitioned weights, the processes
+    # stepping together until all their responses stopped. With a value head on the policy's backbone.
+    report_dir = tmp_path / "zero3_partitioned"
+    flags = [*STOP_AT_EOS, "--ds3_gather_for_generation", "false", "--value", "head"]
+    reports = launch("zero3", report_dir, *flags, extensions_dir=extensions_dir)
+    check_ranks_agree(reports, report_dir)
+    assert reports[0]["global_step"] == 2
+    final = weights(report_dir)
+    assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
+    assert any(k.startswith("policy.v_head.") for k in final)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+def test_two_process_run_resumes_from_its_checkpoint(tmp_path, extensions_dir, layout):
+    # Run A: 4 updates with a checkpoint every 2. Run B: a new output_dir holding only A's checkpoint-2, resumed.
+    # B's last two updates repeat A's: same metrics and the same final weights.
+    flags = [*STOP_AT_EOS, "--total_episodes", "64", "--save_strategy", "steps", "--save_steps", "2"]
+    run_a = launch(
+        layout, tmp_path / "a", *flags, "--output_dir", str(tmp_path / "a_out"), extensions_dir=extensions_dir
+    )
+    assert sorted(os.listdir(tmp_path / "a_out")) == ["checkpoint-2", "checkpoint-4"]
+    shutil.copytree(tmp_path / "a_out" / "checkpoint-2", tmp_path / "b_out" / "checkpoint-2")
+    run_b = launch(
+        layout,
+        tmp_path / "b",
+        *flags,
+        "--output_dir",
+        str(tmp_path / "b_out"),
+        "--resume_from_checkpoint",
+        "latest",
+        extensions_dir=extensions_dir,
+    )
+    check_ranks_agree(run_b, tmp_path / "b")
+    assert run_b[0]["global_step"] == 4
+    a_history = without_timing(run_a[0]["log_history"])
+    b_history = without_timing(run_b[0]["log_history"])
+    assert b_history[-2:] == a_history[-2:]
+    a_final, b_final = weights(tmp_path / "a"), weights(tmp_path / "b")
+    assert max_difference(a_final, b_final, "") == 0.0
