@@ -144,3 +144,15 @@ def test_responses_that_never_stop_are_reported(make_config, tokenizer, load_mod
     trainer.train()
     fraction = trainer.state.log_history[-1]["val/missing_stop_token_frac"]
     assert 0.5 < fraction <= 1.0  # two tokens rarely reach EOS
+
+
+def test_what_the_launch_configuration_cannot_do_is_refused(make_config):
+    from trl_ppo.distributed import check_supported
+
+    config = make_config(early_stopping=True, ratio_threshold=2.0)
+    with pytest.raises(ValueError, match=r"`early_stopping`, `ratio_threshold` cannot be used under DeepSpeed"):
+        check_supported(config, deepspeed_enabled=True, fsdp_enabled=False)
+    check_supported(config, deepspeed_enabled=False, fsdp_enabled=False)  # both work without DeepSpeed
+    check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False)
+    with pytest.raises(ValueError, match=r"FSDP is not supported.*deepspeed_zero3\.yaml"):
+        check_supported(make_config(), deepspeed_enabled=False, fsdp_enabled=True)

@@ -346,25 +346,3 @@ def validate_config(args: OnPolicyConfig) -> None:
         for name in ("gamma", "lam"):
             if not 0.0 <= getattr(args, name) <= 1.0:
                 fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")
-
-
-def check_deepspeed_support(args: OnPolicyConfig, deepspeed_enabled: bool) -> None:
-    """Refuse the options that decide to skip an optimizer step after the gradients exist: DeepSpeed steps inside
-    the backward of a minibatch's last micro-batch, before such a decision can be made."""
-    if not deepspeed_enabled:
-        return
-    asked = [
-        name
-        for name, value in (
-            ("early_stopping", getattr(args, "early_stopping", False)),
-            ("ratio_threshold", getattr(args, "ratio_threshold", None) is not None),
-            ("skip_nonfinite_updates", args.skip_nonfinite_updates),
-        )
-        if value
-    ]
-    if asked:
-        raise ValueError(
-            f"{', '.join(f'`{name}`' for name in asked)} cannot be used under DeepSpeed: it steps the optimizer inside "
-            "the backward pass, before the minibatch could be skipped. Turn the option off, or train without "
-            "DeepSpeed (one process or DDP)."
-        )

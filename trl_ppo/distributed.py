@@ -26,6 +26,36 @@ def process_seed(seed: int, process_index: int) -> int:
     return seed + process_index * PROCESS_SEED_STRIDE
 
 
+def check_supported(args, deepspeed_enabled: bool, fsdp_enabled: bool) -> None:
+    """Refuse, before any compute, what this trainer cannot do under the launch configuration.
+
+    FSDP: sampling runs the policy's language model outside FSDP's root module, whose sharded weights are then
+    never gathered. Under DeepSpeed, the options that decide to skip an optimizer step after the gradients exist:
+    DeepSpeed steps inside the backward of a minibatch's last micro-batch, before such a decision can be made."""
+    if fsdp_enabled:
+        raise ValueError(
+            "FSDP is not supported by trl_ppo: shard with DeepSpeed ZeRO-3 instead "
+            "(examples/accelerate_configs/deepspeed_zero3.yaml)."
+        )
+    if not deepspeed_enabled:
+        return
+    asked = [
+        name
+        for name, value in (
+            ("early_stopping", getattr(args, "early_stopping", False)),
+            ("ratio_threshold", getattr(args, "ratio_threshold", None) is not None),
+            ("skip_nonfinite_updates", args.skip_nonfinite_updates),
+        )
+        if value
+    ]
+    if asked:
+        raise ValueError(
+            f"{', '.join(f'`{name}`' for name in asked)} cannot be used under DeepSpeed: it steps the optimizer inside "
+            "the backward pass, before the minibatch could be skipped. Turn the option off, or train without "
+            "DeepSpeed (one process or DDP)."
+        )
+
+
 def process_group_kwargs(ddp_backend: str | None, ddp_timeout: int | None):
     """The `InitProcessGroupKwargs` handler that makes `Accelerator` use `--ddp_backend` (e.g. gloo for DeepSpeed on
     CPU, where DeepSpeed would otherwise set up its own group) and `--ddp_timeout`; None when neither is set."""
@@ -98,16 +128,26 @@ def _hidden_size(model: nn.Module) -> int | None:
 
 
 @contextlib.contextmanager
-def gathered_for_generation(wrapper: nn.Module, accelerator, gather: bool = True):
+def gathered_for_generation(engine: nn.Module, wrapper: nn.Module, accelerator, gather: bool = True):
     """While sampling: under ZeRO-3 with `gather=True`, the policy's partitioned weights gathered once on every
-    process for the whole rollout (instead of per layer and per sampled token). Elsewhere nothing happens."""
+    process for the whole rollout, and ZeRO-3's per-layer hooks taken off meanwhile (left on, they would release
+    and gather every layer again at each sampled token). Elsewhere nothing happens.
+
+    `engine` is the prepared DeepSpeed engine, `wrapper` the module it trains (`PolicyAndValueWrapper`)."""
     if deepspeed_zero_stage(accelerator) != 3 or not gather:
         yield
         return
     import deepspeed
 
+    offload = engine.optimizer.parameter_offload  # the ZeRO-3 optimizer's owner of the hooks
     with deepspeed.zero.GatheredParameters(list(wrapper.lm.parameters())):
-        yield
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
 
 
 def sampling_needs_sync(accelerator, gather: bool) -> bool:

@@ -32,7 +32,6 @@ from .completions import CompletionsMixin
 from .config import (
     OnPolicyConfig,
     PPOConfig,
-    check_deepspeed_support,
     compute_batch_sizes,
     stop_and_penalty_tokens,
     validate_config,
@@ -181,7 +180,7 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
                 "add prompts or lower the batch size."
             )
 
-        check_deepspeed_support(args, self.is_deepspeed_enabled)
+        dist.check_supported(args, self.is_deepspeed_enabled, self.is_fsdp_enabled)
         self.rewards, self.reward_model = rewards, reward_model
         self.kl_coef = args.kl_coef  # moves under adaptive KL control (`kl_target`)
         self.score_moments = ppo.RunningMoments()  # of all scores so far, for `use_score_scaling`
@@ -398,7 +397,7 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
         wrapper = self.accelerator.unwrap_model(self.model)
         gather = args.ds3_gather_for_generation
         settings["synced_processes"] = dist.sampling_needs_sync(self.accelerator, gather)
-        with dist.gathered_for_generation(wrapper, self.accelerator, gather):
+        with dist.gathered_for_generation(self.model, wrapper, self.accelerator, gather):
             was_training = wrapper.training
             wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
             try:
