@@ -162,6 +162,9 @@ def test_deepspeed_trains_and_saves_a_full_model(tmp_path, extensions_dir, stage
     assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
     assert max_difference(final, initial_weights(report_dir), "value_model.") > 1e-4
     check_saved_model(tmp_path / "saved", final)
+    if stage == "zero3":  # sampling gathered each weight once per rollout (a few collectives per tensor), not
+        # once per layer and sampled token
+        assert all(0 < count <= 3 * reports[0]["policy_tensors"] for count in reports[0]["sampling_gathers"])
 
 
 def test_zero3_samples_from_partitioned_weights(tmp_path, extensions_dir):
@@ -175,6 +178,8 @@ def test_zero3_samples_from_partitioned_weights(tmp_path, extensions_dir):
     final = weights(report_dir)
     assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
     assert any(k.startswith("policy.v_head.") for k in final)
+    # Partitioned sampling gathers layer by layer at every sampled token (8 of them here).
+    assert all(count > 4 * reports[0]["policy_tensors"] for count in reports[0]["sampling_gathers"])
 
 
 @pytest.mark.parametrize("layout", ["ddp", "zero3"])

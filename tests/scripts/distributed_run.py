@@ -5,8 +5,8 @@
 
 A tiny random-init policy, value model and reward model (a sequence classifier) built from configs; the
 reference is the trainer's own frozen copy. Each process writes `DIR/rank<i>.json` (its log history, seed,
-world size) and `DIR/weights_rank<i>.pt` (the full policy and value weights after training, gathered under
-ZeRO-3), and `DIR/initial_weights.pt` holds the weights before training.
+world size, DeepSpeed all-gathers per rollout's sampling) and `DIR/weights_rank<i>.pt` (the full policy and
+value weights after training, gathered under ZeRO-3); `DIR/initial_weights.pt` holds the weights before training.
 """
 
 import contextlib
@@ -52,6 +52,33 @@ def full_weights(trainer) -> dict:
         return {name: tensor.detach().cpu().clone() for name, tensor in wrapper.state_dict().items()}
 
 
+def count_sampling_gathers(trainer) -> list[int]:
+    """Count DeepSpeed's all-gathers inside each `_sample` call (one entry per call; empty without DeepSpeed)."""
+    counts = []
+    if not trainer.is_deepspeed_enabled:
+        return counts
+    import deepspeed.comm.comm as ds_comm
+
+    backend, calls = ds_comm.cdb, [0]
+    for name in [name for name in dir(backend) if "gather" in name and callable(getattr(backend, name))]:
+
+        def counted(*args, _function=getattr(backend, name), **kwargs):
+            calls[0] += 1
+            return _function(*args, **kwargs)
+
+        setattr(backend, name, counted)
+    sample = trainer._sample
+
+    def counted_sample(*args, **kwargs):
+        before = calls[0]
+        responses = sample(*args, **kwargs)
+        counts.append(calls[0] - before)
+        return responses
+
+    trainer._sample = counted_sample
+    return counts
+
+
 def main() -> None:
     run_args, config = HfArgumentParser((RunArgs, PPOConfig)).parse_args_into_dataclasses()
     tokenizer = build_word_tokenizer()
@@ -73,6 +100,7 @@ def main() -> None:
         train_dataset=default_prompts(),
         callbacks=[RecordSeed()],
     )
+    sampling_gathers = count_sampling_gathers(trainer)
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     weights = full_weights(trainer)
     if run_args.final_model_dir:
@@ -89,6 +117,8 @@ def main() -> None:
         "seed": RecordSeed.seed,
         "global_step": trainer.state.global_step,
         "log_history": trainer.state.log_history,
+        "sampling_gathers": sampling_gathers,
+        "policy_tensors": len(list(trainer.accelerator.unwrap_model(trainer.model).lm.parameters())),
     }
     with open(os.path.join(run_args.report_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle)
