@@ -156,3 +156,6 @@ def test_what_the_launch_configuration_cannot_do_is_refused(make_config):
     check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False)
     with pytest.raises(ValueError, match=r"FSDP is not supported.*deepspeed_zero3\.yaml"):
         check_supported(make_config(), deepspeed_enabled=False, fsdp_enabled=True)
+    with pytest.raises(ValueError, match=r"ZeRO-3 the reference cannot share layers.*num_shared_layers=None"):
+        check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False, zero_stage=3, shared_reference=True)
+    check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False, zero_stage=2, shared_reference=True)

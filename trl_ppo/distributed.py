@@ -12,9 +12,6 @@ from datetime import timedelta
 
 import torch
 from torch import nn
-from transformers.utils import logging
-
-logger = logging.get_logger(__name__)
 
 # Process i samples with seed `seed + i * PROCESS_SEED_STRIDE`: the processes draw different responses to their
 # different prompts, while the data order (seeded by `seed` alone) is the same everywhere. A large prime keeps the
@@ -26,12 +23,15 @@ def process_seed(seed: int, process_index: int) -> int:
     return seed + process_index * PROCESS_SEED_STRIDE
 
 
-def check_supported(args, deepspeed_enabled: bool, fsdp_enabled: bool) -> None:
+def check_supported(
+    args, deepspeed_enabled: bool, fsdp_enabled: bool, zero_stage: int | None = None, shared_reference: bool = False
+) -> None:
     """Refuse, before any compute, what this trainer cannot do under the launch configuration.
 
     FSDP: sampling runs the policy's language model outside FSDP's root module, whose sharded weights are then
     never gathered. Under DeepSpeed, the options that decide to skip an optimizer step after the gradients exist:
-    DeepSpeed steps inside the backward of a minibatch's last micro-batch, before such a decision can be made."""
+    DeepSpeed steps inside the backward of a minibatch's last micro-batch, before such a decision can be made. Under
+    ZeRO-3, a reference that shares layers with the policy (`shared_reference`): both would partition them."""
     if fsdp_enabled:
         raise ValueError(
             "FSDP is not supported by trl_ppo: shard with DeepSpeed ZeRO-3 instead "
@@ -39,6 +39,11 @@ def check_supported(args, deepspeed_enabled: bool, fsdp_enabled: bool) -> None:
         )
     if not deepspeed_enabled:
         return
+    if zero_stage == 3 and shared_reference:
+        raise ValueError(
+            "Under DeepSpeed ZeRO-3 the reference cannot share layers with the policy (`create_reference_model(model, "
+            "num_shared_layers=...)`): pass `num_shared_layers=None` or `ref_model=None`."
+        )
     asked = [
         name
         for name, value in (

@@ -259,8 +259,7 @@ def prepare_models(policy, ref_model, value_model, reward_models, peft_config=No
     lm = causal_lm(policy)
     if ref_model is not None and not is_peft_model(lm) and peft_config is None:
         # Frozen shared layers are fine (`create_reference_model(num_shared_layers=...)`); trained ones are not.
-        reference_parameters = {id(p) for p in ref_model.parameters()}
-        if any(p.requires_grad and id(p) in reference_parameters for p in lm.parameters()):
+        if any(p.requires_grad for p in shared_parameters(ref_model, lm)):
             raise ValueError(
                 "`ref_model` shares trained weights with `model`: pass a separate copy, `None`, or "
                 "`create_reference_model(model, num_shared_layers=...)`, which freezes the shared layers."
@@ -283,6 +282,12 @@ def prepare_models(policy, ref_model, value_model, reward_models, peft_config=No
         if is_peft_model(lm):
             lm.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need an input grad
     return policy, ref_model
+
+
+def shared_parameters(first: nn.Module, second: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `second` that are also parameters of `first` (the same tensors, not equal copies)."""
+    ids = {id(p) for p in first.parameters()}
+    return [p for p in second.parameters() if id(p) in ids]
 
 
 def context_length(model: nn.Module) -> int | None:

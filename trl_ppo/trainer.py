@@ -48,6 +48,7 @@ from .models import (
     peft_reference,
     policy_response_logits,
     prepare_models,
+    shared_parameters,
     with_value_function,
 )
 from .rewards import build_rewards, compute_scores, models_reading_policy_ids
@@ -180,7 +181,13 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
                 "add prompts or lower the batch size."
             )
 
-        dist.check_supported(args, self.is_deepspeed_enabled, self.is_fsdp_enabled)
+        dist.check_supported(
+            args,
+            self.is_deepspeed_enabled,
+            self.is_fsdp_enabled,
+            dist.deepspeed_zero_stage(self.accelerator),
+            ref_model is not None and bool(shared_parameters(ref_model, model)),
+        )
         self.rewards, self.reward_model = rewards, reward_model
         self.kl_coef = args.kl_coef  # moves under adaptive KL control (`kl_target`)
         self.score_moments = ppo.RunningMoments()  # of all scores so far, for `use_score_scaling`

@@ -109,9 +109,12 @@ class PPOUpdateMixin:
         update = self.state.global_step + 1
         if not self.args.skip_nonfinite_updates:
             last = ckpt.latest_checkpoint(self.args.output_dir)
+            step = (
+                "DeepSpeed has already stepped with it" if self.is_deepspeed_enabled else "no optimizer step was taken"
+            )
             raise FloatingPointError(
-                f"Non-finite PPO loss at update {update} (PPO epoch {epoch + 1}); no optimizer step was taken with it. "
-                f"Last complete checkpoint: {last or 'none'}. Lower `learning_rate`, check the reward scale, or set "
+                f"Non-finite PPO loss at update {update} (PPO epoch {epoch + 1}); {step}. Last complete checkpoint: "
+                f"{last or 'none'}. Lower `learning_rate`, check the reward scale, or set "
                 "`skip_nonfinite_updates=True` to skip such updates."
             )
         self._skipped_updates += 1
