@@ -2,11 +2,14 @@
 
     python benchmark/bench_ppo.py --shape tiny                 # CPU, seconds
     python benchmark/bench_ppo.py --shape 160m --precision bf16 # GPU
+    accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml --num_processes 1 \
+        benchmark/bench_ppo.py --shape 160m --precision bf16     # under DeepSpeed ZeRO-3 (or ZeRO-2, DDP, ...)
 
 Same setup as the reference figures in the project's issues: batch 64 (16 x 4 accumulation), 4 PPO epochs,
 `response_length` 53, prompts of 32-64 random tokens, a reward model of the policy's shape. Throughput is
-measured in steady state: the first update (warm-up) is excluded. Results go to benchmark/RESULTS.md by hand,
-with the command and the machine.
+measured in steady state: the first update (warm-up) is excluded. Under several processes, episodes/s counts all
+processes' episodes and the memory is the main process's. Results go to benchmark/RESULTS.md by hand, with the
+command and the machine.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceCl
 
 from trl_ppo import PPOConfig, PPOTrainer
 from trl_ppo.default_job import build_word_tokenizer
+from trl_ppo.distributed import deepspeed_zero_stage
 
 SHAPES = {  # hidden size, layers, heads (pythia family), vocabulary 50304
     "tiny": (64, 2, 4, 512),
@@ -80,6 +84,7 @@ def main() -> None:
     parser.add_argument("--per_device_train_batch_size", type=int, default=16)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=4)
     parser.add_argument("--output_dir", default="/tmp/trl_ppo_bench")
+    parser.add_argument("--ddp_backend", default=None, help="e.g. gloo for DeepSpeed on CPU.")
     cli = parser.parse_args()
 
     tokenizer = build_word_tokenizer()
@@ -101,6 +106,7 @@ def main() -> None:
         bf16=cli.precision == "bf16",
         use_cpu=not on_gpu,
         disable_tqdm=True,
+        ddp_backend=cli.ddp_backend,
     )
     timer = UpdateTimer()
     trainer = PPOTrainer(
@@ -118,6 +124,7 @@ def main() -> None:
     trainer.train()
     steady = timer.times[2:]  # end of the warm-up update onwards
     seconds = steady[-1] - timer.times[1]
+    batch = config.batch_size  # all processes' episodes per update
     result = {
         "shape": cli.shape,
         "precision": cli.precision,
@@ -130,10 +137,13 @@ def main() -> None:
             2,
         ),
         "peak_memory_kind": "cuda_max_allocated" if on_gpu else "max_rss",
+        "processes": trainer.accelerator.num_processes,
+        "deepspeed_zero_stage": deepspeed_zero_stage(trainer.accelerator),
         "torch": torch.__version__,
     }
-    json.dump(result, sys.stdout)
-    print()
+    if trainer.accelerator.is_main_process:
+        json.dump(result, sys.stdout)
+        print()
 
 
 if __name__ == "__main__":
