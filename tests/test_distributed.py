@@ -182,7 +182,7 @@ def test_zero3_samples_from_partitioned_weights(tmp_path, extensions_dir):
     assert all(count > 4 * reports[0]["policy_tensors"] for count in reports[0]["sampling_gathers"])
 
 
-@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3"])
 def test_two_process_run_resumes_from_its_checkpoint(tmp_path, extensions_dir, layout):
     # Run A: 4 updates with a checkpoint every 2. Run B: a new output_dir holding only A's checkpoint-2, resumed.
     # B's last two updates repeat A's: same metrics and the same final weights.
