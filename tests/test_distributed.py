@@ -59,7 +59,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(layout: str, report_dir: Path, *flags: str, extensions_dir: str, timeout: int = 240) -> list[dict]:
+def launch(
+    layout: str, report_dir: Path, *flags: str, extensions_dir: str, accelerate_flags=(), timeout: int = 240
+) -> list[dict]:
     """Run the script in 2 processes with `layout` ("ddp", "zero2", "zero3"), or in 1 plain process ("single");
     -> each process's report (see distributed_run.py)."""
     env = dict(
@@ -76,7 +78,7 @@ def launch(layout: str, report_dir: Path, *flags: str, extensions_dir: str, time
         config, extra_env, layout_flags = LAUNCH[layout]
         env.update(extra_env)
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]
-        command += ["--main_process_port", str(free_port()), *script, *layout_flags]
+        command += ["--main_process_port", str(free_port()), *accelerate_flags, *script, *layout_flags]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     reports = sorted(report_dir.glob("rank*.json"))
@@ -165,6 +167,16 @@ def test_deepspeed_trains_and_saves_a_full_model(tmp_path, extensions_dir, stage
     if stage == "zero3":  # sampling gathered each weight once per rollout (a few collectives per tensor), not
         # once per layer and sampled token
         assert all(0 < count <= 3 * reports[0]["policy_tensors"] for count in reports[0]["sampling_gathers"])
+
+
+def test_zero2_bf16_reference_is_in_the_policys_precision(tmp_path, extensions_dir):
+    # DeepSpeed casts the policy's parameters to bf16; the frozen reference must be cast the same way, or the KL
+    # of the first update (policy == reference) is not 0.
+    report_dir = tmp_path / "bf16"
+    reports = launch("zero2", report_dir, extensions_dir=extensions_dir, accelerate_flags=["--mixed_precision", "bf16"])
+    check_ranks_agree(reports, report_dir)
+    assert reports[0]["log_history"][0]["objective/kl"] == 0.0
+    assert weights(report_dir)["policy.gpt_neox.embed_in.weight"].dtype == torch.bfloat16
 
 
 def test_zero3_samples_from_partitioned_weights(tmp_path, extensions_dir):

@@ -159,3 +159,13 @@ def test_what_the_launch_configuration_cannot_do_is_refused(make_config):
     with pytest.raises(ValueError, match=r"ZeRO-3 the reference cannot share layers.*num_shared_layers=None"):
         check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False, zero_stage=3, shared_reference=True)
     check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False, zero_stage=2, shared_reference=True)
+
+
+def test_no_reference_can_be_copied_from_a_policy_partitioned_at_load(load_models):
+    from trl_ppo.models import prepare_models
+
+    policy, value_model, reward_model = load_models()
+    for parameter in policy.parameters():
+        parameter.ds_id = 0  # what DeepSpeed ZeRO-3's zero.Init leaves on the weights it partitioned
+    with pytest.raises(ValueError, match=r"partitioned by DeepSpeed ZeRO-3 as it loaded.*pass it as `ref_model`"):
+        prepare_models(policy, None, value_model, [reward_model])

@@ -318,14 +318,14 @@ class CheckpointingMixin:
             saved = json.load(handle)
         check_resumable(saved["identity"], self._run_identity, path)
         deepspeed_state = glob.glob(os.path.join(path, "global_step*"))
+        if not (deepspeed_state or os.path.isfile(os.path.join(path, "optimizer.pt"))):
+            raise ValueError(
+                f"{path} has no optimizer state (written with `save_only_model=True`): it cannot be resumed."
+            )
         if self.is_deepspeed_enabled != bool(deepspeed_state):
             raise ValueError(
                 f"{path} was written {'with' if deepspeed_state else 'without'} DeepSpeed, and this run is "
                 f"{'' if self.is_deepspeed_enabled else 'not '}under DeepSpeed: resume it the way it was launched."
-            )
-        if not (deepspeed_state or os.path.isfile(os.path.join(path, "optimizer.pt"))):
-            raise ValueError(
-                f"{path} has no optimizer state (written with `save_only_model=True`): it cannot be resumed."
             )
         if self.is_deepspeed_enabled:  # weights and optimizer state, each process its own partition
             from transformers.integrations.deepspeed import deepspeed_load_checkpoint
@@ -409,6 +409,13 @@ class CheckpointingMixin:
             return
         state_dict = None
         if self.is_deepspeed_enabled:  # a collective; under ZeRO-3 only the main process receives the weights
-            state_dict = sub_state_dict(self.accelerator.get_state_dict(self.model) or {}, "value_model.")
+            try:
+                state_dict = sub_state_dict(self.accelerator.get_state_dict(self.model) or {}, "value_model.")
+            except ValueError:  # ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`
+                logger.warning(
+                    f"The value model was not written to {output_dir}: under ZeRO-3 that needs "
+                    "`zero3_save_16bit_model: true` in the accelerate config. A checkpoint still holds it, partitioned."
+                )
+                return
         if self.args.should_save:
             value_model.save_pretrained(output_dir, state_dict=state_dict)

@@ -101,8 +101,15 @@ def prepare_frozen_model(model: nn.Module, accelerator) -> tuple[nn.Module, obje
     gather each layer's weights when it runs; the module itself stays callable, submodules included. Otherwise (ZeRO
     stages 0-2, DDP, one process) it is copied whole to the device: it has no gradients or optimizer state to shard.
     """
-    if deepspeed_zero_stage(accelerator) != 3:
-        return model.to(accelerator.device), None
+    stage = deepspeed_zero_stage(accelerator)
+    if stage != 3:
+        model = model.to(accelerator.device)
+        dtype = None if stage is None else deepspeed_weights_dtype(accelerator)
+        if dtype is not None:  # as DeepSpeed does to the policy: parameters only, buffers (rotary...) stay fp32
+            for parameter in model.parameters():
+                if parameter.is_floating_point():
+                    parameter.data = parameter.data.to(dtype)
+        return model, None
     import deepspeed
 
     config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
@@ -121,6 +128,26 @@ def prepare_frozen_model(model: nn.Module, accelerator) -> tuple[nn.Module, obje
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine.module, engine
+
+
+def deepspeed_weights_dtype(accelerator) -> torch.dtype | None:
+    """The dtype DeepSpeed keeps the trained weights in (bf16 / fp16 when enabled in its config), else None."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if config.get(key, {}).get("enabled") is True:
+            return dtype
+    return None
+
+
+def assert_consistent_across_processes(value: int, device: torch.device, message: str) -> None:
+    """Raise `ValueError(message)` on every process when `value` differs between processes (so that no process is
+    left waiting in a collective that the others skip)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    bounds = torch.tensor([value, -value], device=device)
+    torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX)
+    if int(bounds[0]) != -int(bounds[1]):
+        raise ValueError(message)
 
 
 def _hidden_size(model: nn.Module) -> int | None:

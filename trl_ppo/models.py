@@ -271,6 +271,12 @@ def prepare_models(policy, ref_model, value_model, reward_models, peft_config=No
         else:
             policy = lm
     if ref_model is None and not is_peft_model(lm):
+        if any(hasattr(p, "ds_id") for p in lm.parameters()):
+            raise ValueError(
+                "The policy was partitioned by DeepSpeed ZeRO-3 as it loaded (`zero3_init_flag: true`), so no "
+                "reference can be copied from it: load the reference like the policy and pass it as `ref_model`, "
+                "or set `zero3_init_flag: false` in the accelerate config."
+            )
         ref_model = create_reference_model(lm)
     for module in (policy, value_model, ref_model, *reward_models):
         if isinstance(module, nn.Module):

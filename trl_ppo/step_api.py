@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from . import distributed as dist
 from . import ppo
 from .completions import show_table
 from .data import LeftPaddingCollator
@@ -48,6 +49,13 @@ class StepAPIMixin:
         queries = _check_token_lists([query_tensor] if single else list(query_tensor), "query_tensor")
         batch_size = batch_size or self.args.local_rollout_forward_batch_size
         collate = LeftPaddingCollator(self.processing_class.pad_token_id)
+        if dist.deepspeed_zero_stage(self.accelerator) == 3:  # each sampling call is a collective there
+            dist.assert_consistent_across_processes(
+                -(-len(queries) // batch_size),
+                self.accelerator.device,
+                "Under DeepSpeed ZeRO-3 every process must call `generate()` with as many batches of queries (the same "
+                "number of queries and `batch_size`): sampling gathers weights from all processes.",
+            )
         results = []
         for part in chunks(len(queries), batch_size):
             batch = collate([{"input_ids": query} for query in queries[part]])
