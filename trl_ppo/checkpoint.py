@@ -388,6 +388,40 @@ class CheckpointingMixin:
         super().save_model(output_dir, _internal_call=_internal_call)
         if _internal_call or self.args.save_value_model:
             self._save_value_model(os.path.join(output_dir, "value_model"))
+        if not _internal_call and self.args.should_save:
+            self._write_model_card(output_dir)
+
+    def _write_model_card(self, output_dir: str) -> None:
+        """README.md beside the saved policy: base model, prompts, rewards, hyper-parameters, final metrics and
+        the training curves (`training_curves.png`, drawn from the run's log)."""
+        from .reporting import PLOT_FILE, model_card, plot_curves
+
+        args, history = self.args, self.state.log_history
+        lm = self.accelerator.unwrap_model(self.model).lm
+        rewards = [
+            f"{reward.name} ({getattr(getattr(reward.source, 'config', None), '_name_or_path', '') or 'a model'})"
+            if reward.is_model
+            else f"{reward.name} (a function)"
+            for reward in self.rewards
+        ]
+        weights = args.reward_weights
+        if weights:
+            rewards = [f"{weight} x {reward}" for weight, reward in zip(weights, rewards)]
+        names = ("learning_rate", "batch_size", "total_episodes", "num_ppo_epochs", "num_mini_batches", "kl_coef")
+        names += ("kl_estimator", "cliprange", "cliprange_value", "vf_coef", "gamma", "lam", "response_length")
+        names += ("temperature", "missing_eos_penalty", "seed")
+        hyperparameters = {name: getattr(args, name) for name in names if hasattr(args, name)}
+        final = {}
+        for entry in history:
+            final.update({k: v for k, v in entry.items() if k.startswith(("objective/", "eval/")) or k == "episode"})
+        plot = None
+        if any("episode" in entry for entry in history):
+            plot_curves(history, os.path.join(output_dir, PLOT_FILE), os.path.basename(os.path.abspath(output_dir)))
+            plot = PLOT_FILE
+        dataset = self.model_card_dataset or f"{len(self.train_dataset or ())} prompts given as a `datasets.Dataset`"
+        card = model_card(getattr(lm.config, "_name_or_path", ""), dataset, rewards, hyperparameters, final, plot)
+        with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(card)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # `Trainer.save_model` passes the wrapper's state dict (policy. / value_model. keys) or None.

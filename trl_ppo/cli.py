@@ -1,10 +1,14 @@
 """`trl-ppo`: train with PPO from the command line.
 
     trl-ppo                       # the embedded default job: tiny model, shipped prompts, offline
+    trl-ppo train --config run.yaml --learning_rate 1e-5   # YAML keys are flag names; flags given here win
     trl-ppo --model_name_or_path EleutherAI/pythia-1b-deduped --sft_model_path ... --reward_model_path ...
+    trl-ppo plot OUTPUT_DIR       # PNG of the main curves from OUTPUT_DIR's trainer_state.json
+    trl-ppo env                   # versions and devices, for bug reports
     trl-ppo --help                # every option of ScriptArguments, PPOConfig and ModelConfig
 
-Without `--model_name_or_path` the default job runs (flags you pass still override its settings).
+Without `--model_name_or_path` the default job runs (flags you pass still override its settings). Under several
+processes: `accelerate launch [--config_file ...] -m trl_ppo train ...`.
 """
 
 from __future__ import annotations
@@ -21,7 +25,67 @@ LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", 
 
 
 def build_parser() -> HfArgumentParser:
-    return HfArgumentParser((ScriptArguments, PPOConfig, ModelConfig))
+    parser = HfArgumentParser(
+        (ScriptArguments, PPOConfig, ModelConfig),
+        prog="trl-ppo",
+        description="Train a causal LM with PPO. Sub-commands: `train` (the default), `plot OUTPUT_DIR`, `env`.",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="A YAML file of options: keys are the flag names without `--`; flags on the command line win.",
+    )
+    return parser
+
+
+def parse(argv: list[str]):
+    """(script_args, training_args, model_args, argv with the YAML file's options first) for `trl-ppo train`."""
+    argv = with_config_file(argv)
+    script_args, training_args, model_args, _ = build_parser().parse_args_into_dataclasses(args=argv)
+    return script_args, training_args, model_args, argv
+
+
+def with_config_file(argv: list[str]) -> list[str]:
+    """`argv` with `--config FILE` replaced by the file's options, placed first so that later flags win."""
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+            if path is None:
+                raise SystemExit("trl-ppo: `--config` needs a YAML file.")
+            del argv[i : i + (1 if "=" in arg else 2)]
+            return config_file_flags(path) + argv
+    return argv
+
+
+def config_file_flags(path: str) -> list[str]:
+    """The options of a YAML file as flags: `learning_rate: 1e-5` -> `--learning_rate 1e-5`; lists give several
+    values (`report_to: [wandb, tensorboard]`), mappings are passed as JSON."""
+    import json
+
+    import yaml
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"trl-ppo: the config file {path} does not exist.")
+    with open(path, encoding="utf-8") as handle:
+        options = yaml.safe_load(handle) or {}
+    if not isinstance(options, dict):
+        raise SystemExit(f"trl-ppo: {path} must hold a mapping of option names to values.")
+    known = {action.dest for action in build_parser()._actions}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise SystemExit(f"trl-ppo: unknown option(s) in {path}: {', '.join(unknown)} (see `trl-ppo --help`).")
+    flags = []
+    for key, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            flags += [f"--{key}", *(str(item) for item in value)]
+        elif isinstance(value, dict):
+            flags += [f"--{key}", json.dumps(value)]
+        else:
+            flags += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags
 
 
 def load_prompt_datasets(script_args: ScriptArguments, eval_samples: int = 100):
@@ -103,8 +167,10 @@ def prompt_datasets(script_args: ScriptArguments):
         return split["train"], split["test"]
 
 
-def train_and_save(training_args, model_args, tokenizer, policy, ref_policy, reward, value_model, datasets) -> None:
-    """Train, show the final completions table and save the policy to `output_dir`."""
+def train_and_save(
+    training_args, model_args, tokenizer, policy, ref_policy, reward, value_model, datasets, dataset_name=None
+) -> None:
+    """Train, show the final completions table and save the policy (with its model card) to `output_dir`."""
     from .trainer import PPOTrainer
 
     train_dataset, eval_dataset = datasets
@@ -119,6 +185,7 @@ def train_and_save(training_args, model_args, tokenizer, policy, ref_policy, rew
         eval_dataset=eval_dataset,
         peft_config=get_peft_config(model_args),
     )
+    trainer.model_card_dataset = dataset_name or "the prompts shipped with trl_ppo"
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.generate_completions()
     trainer.save_model(training_args.output_dir)
@@ -130,7 +197,7 @@ def run_default_job(argv: list[str]) -> None:
     """Train the tiny embedded policy with the positive-words reward (on the shipped prompts by default)."""
     from . import default_job
 
-    script_args, training_args, model_args = build_parser().parse_args_into_dataclasses(
+    script_args, training_args, model_args, _ = build_parser().parse_args_into_dataclasses(
         args=default_job.DEFAULT_JOB_FLAGS + argv
     )
     tokenizer = default_job.build_word_tokenizer()
@@ -144,6 +211,7 @@ def run_default_job(argv: list[str]) -> None:
         default_job.positive_words_reward,
         value_model,
         prompt_datasets(script_args),
+        script_args.dataset_name,
     )
 
 
@@ -159,18 +227,31 @@ def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, mode
         reward_model,
         value_model,
         prompt_datasets(script_args),
+        script_args.dataset_name,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # `trl-ppo train ...` is the same as `trl-ppo ...`
+    command = argv[0] if argv and not argv[0].startswith("-") else "train"
+    if argv[:1] == [command]:
         argv = argv[1:]
-    script_args, training_args, model_args = build_parser().parse_args_into_dataclasses(args=argv)
-    if model_args.model_name_or_path is None:
-        run_default_job(argv)
+    if command == "env":
+        from .reporting import print_environment
+
+        print_environment()
+    elif command == "plot":
+        from .reporting import plot_command
+
+        plot_command(argv)
+    elif command == "train":
+        script_args, training_args, model_args, argv = parse(argv)
+        if model_args.model_name_or_path is None:
+            run_default_job(argv)
+        else:
+            run_from_models(script_args, training_args, model_args)
     else:
-        run_from_models(script_args, training_args, model_args)
+        raise SystemExit(f"trl-ppo: unknown command {command!r}: use `train` (the default), `plot` or `env`.")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ plumbing in `models.py`; `step_api.py` runs the same pieces on episodes made out
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -37,6 +38,7 @@ from .config import (
     validate_config,
 )
 from .data import LeftPaddingCollator, SharedOrderBatchSampler, fit_prompts, prepare_prompt_dataset
+from .evaluation import EvaluationMixin
 from .metrics import MetricsSinceLog, update_metrics
 from .models import (
     PolicyAndValueWrapper,
@@ -64,7 +66,7 @@ from .update import PPOUpdateMixin
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMixin, Trainer):
+class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin, CheckpointingMixin, Trainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -81,7 +83,8 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
         value_model: a sequence-classification model with one label, trained alongside the policy; `None` gives
             the policy a value head on its own backbone (`AutoModelForCausalLMWithValueHead`).
         data_collator: defaults to left-padding of `input_ids`.
-        eval_dataset: prompts for the sample completions tables.
+        eval_dataset: prompts for `evaluate()` (run every `eval_steps` with `eval_strategy="steps"`) and the
+            sample completions tables.
         optimizers: `(optimizer, lr_scheduler)`; by default AdamW and the `lr_scheduler_type` schedule, stepped
             once per PPO update.
         callbacks: extra `TrainerCallback`s.
@@ -143,6 +146,11 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
         eval_dataset = prepare_prompt_dataset(eval_dataset, processing_class, args.dataset_num_proc)
         if train_dataset is not None and len(train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: PPO needs prompts to sample from.")
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(
+                f"`eval_strategy={args.eval_strategy}` evaluates on `eval_dataset`, and none was given: pass one, or "
+                "set `eval_strategy='no'`."
+            )
         if train_dataset is None and args.total_episodes is None:
             raise ValueError(
                 "Without a `train_dataset` (the `step()` API), set `total_episodes`: it fixes the number of updates "
@@ -189,6 +197,7 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
             ref_model is not None and bool(shared_parameters(ref_model, model)),
         )
         self.rewards, self.reward_model = rewards, reward_model
+        self.model_card_dataset: str | None = None  # what the model card calls the prompts (the CLI sets it)
         self.kl_coef = args.kl_coef  # moves under adaptive KL control (`kl_target`)
         self.score_moments = ppo.RunningMoments()  # of all scores so far, for `use_score_scaling`
 
@@ -491,6 +500,8 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         if self.control.should_log:
             self.log(self._metrics_since_log.pop())
+        if self.control.should_evaluate:  # before saving: the checkpoint's RNG state is then after the evaluation
+            self.evaluate()
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(args, self.state, self.control)
@@ -500,6 +511,12 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, CompletionsMixin, CheckpointingMi
         self._training_active = False
         if self._metrics_since_log:
             self.log(self._metrics_since_log.pop())
+        if self.args.should_save:  # the run's log and its curves, for `trl-ppo plot` and people
+            from .reporting import PLOT_FILE, plot_curves
+
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
+            plot_curves(self.state.log_history, os.path.join(self.args.output_dir, PLOT_FILE))
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)

@@ -19,7 +19,7 @@ Without --model_name_or_path the tiny embedded default job runs instead.
 
 import sys
 
-from trl_ppo.cli import main
+from trl_ppo.cli import main, with_config_file
 from trl_ppo.script_args import as_flags
 
 TLDR_SETTINGS = {
@@ -32,7 +32,7 @@ TLDR_SETTINGS = {
 TLDR_FLAGS = as_flags(TLDR_SETTINGS)
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
+    argv = with_config_file(sys.argv[1:])  # a --config file's options, so that the TL;DR defaults stay lowest
     # The TL;DR data lives on the hub: the offline default job (no model given) keeps its own prompts.
     uses_hub_models = any(arg.split("=")[0] == "--model_name_or_path" for arg in argv)
     main((TLDR_FLAGS if uses_hub_models else []) + argv)

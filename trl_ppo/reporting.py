@@ -1,0 +1,167 @@
+"""What a run leaves for people: the curves as a PNG, a model card, and the environment for bug reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+# (panel title, metrics drawn in it): the curves a PPO practitioner reads first.
+CURVES = (
+    ("score", ("objective/scores", "eval/objective/scores")),
+    ("RLHF reward", ("objective/rlhf_reward",)),
+    ("KL to the reference", ("objective/kl", "eval/objective/kl")),
+    ("entropy", ("objective/entropy",)),
+    ("value loss", ("loss/value_avg",)),
+    ("clip fractions", ("policy/clipfrac_avg", "val/clipfrac_avg")),
+    ("episodes/s", ("eps",)),
+    ("response length", ("eval/val/mean_response_length",)),
+)
+PLOT_FILE = "training_curves.png"
+PLOT_SIZE = (1600, 800)  # pixels: 4 x 2 panels
+
+
+def read_log_history(output_dir: str) -> list[dict]:
+    """The logged entries of a run: `trainer_state.json` in `output_dir`, else in its newest checkpoint."""
+    candidates = [os.path.join(output_dir, "trainer_state.json")]
+    checkpoints = (
+        [name for name in os.listdir(output_dir) if name.startswith("checkpoint-")] if os.path.isdir(output_dir) else []
+    )
+    checkpoints.sort(key=lambda name: int(name.split("-")[-1]) if name.split("-")[-1].isdigit() else -1)
+    candidates += [os.path.join(output_dir, name, "trainer_state.json") for name in reversed(checkpoints)]
+    for path in candidates:
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as handle:
+                return json.load(handle).get("log_history", [])
+    raise FileNotFoundError(f"No trainer_state.json in {output_dir} or its checkpoints: is it a trl_ppo output_dir?")
+
+
+def plot_curves(log_history: list[dict], path: str, title: str = "") -> str:
+    """Draw the main PPO curves against episodes into a PNG of `PLOT_SIZE` pixels at `path`. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    dpi = 100
+    figure, axes = plt.subplots(2, 4, figsize=(PLOT_SIZE[0] / dpi, PLOT_SIZE[1] / dpi), dpi=dpi)
+    for ax, (panel, names) in zip(axes.flat, CURVES):
+        for name in names:
+            points = [(entry["episode"], entry[name]) for entry in log_history if name in entry and "episode" in entry]
+            if points:
+                ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=name)
+        ax.set_title(panel)
+        ax.set_xlabel("episode")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
+    return path
+
+
+def plot_command(argv: list[str]) -> None:
+    """`trl-ppo plot OUTPUT_DIR [--out FILE]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="trl-ppo plot", description="PNG of a run's main PPO curves.")
+    parser.add_argument("output_dir", help="The run's output_dir (or one of its checkpoints).")
+    parser.add_argument("--out", default=None, help=f"The PNG to write (default: OUTPUT_DIR/{PLOT_FILE}).")
+    args = parser.parse_args(argv)
+    try:
+        history = read_log_history(args.output_dir)
+    except FileNotFoundError as error:
+        raise SystemExit(f"trl-ppo plot: {error}") from None
+    path = plot_curves(history, args.out or os.path.join(args.output_dir, PLOT_FILE), os.path.basename(args.output_dir))
+    print(f"Wrote {path}")
+
+
+def environment() -> dict[str, str]:
+    """Versions of the libraries a PPO run depends on, and the devices."""
+    from importlib import metadata
+
+    info = {
+        "trl_ppo": metadata.version("trl_ppo"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    for package in ("torch", "transformers", "accelerate", "datasets", "deepspeed", "peft", "wandb", "tensorboard"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info[package] = "not installed"
+    import torch
+
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["device"] = f"{len(names)} x {names[0]} (CUDA {torch.version.cuda})"
+    else:
+        info["device"] = f"CPU ({os.cpu_count()} cores), no CUDA device"
+    return info
+
+
+def print_environment() -> None:
+    for key, value in environment().items():
+        print(f"- {key}: {value}")
+
+
+def model_card(
+    base_model: str,
+    dataset: str,
+    rewards: list[str],
+    hyperparameters: dict,
+    final_metrics: dict,
+    plot_file: str | None,
+) -> str:
+    """The README.md of a saved policy (Markdown with a YAML header, as the Hugging Face hub reads it)."""
+    header = ["---", "library_name: transformers", "tags:", "- trl_ppo", "- ppo", "- rlhf"]
+    if base_model and os.path.sep not in base_model and not base_model.startswith("."):
+        header.append(f"base_model: {base_model}")
+    header.append("---")
+    lines = [
+        *header,
+        "",
+        "# A policy trained with PPO (trl_ppo)",
+        "",
+        f"- **Base model:** {base_model or 'a model built from a config (no pretrained weights)'}",
+        f"- **Prompts:** {dataset}",
+        f"- **Reward(s):** {', '.join(rewards)}",
+        "",
+        "## Hyper-parameters",
+        "",
+        "| name | value |",
+        "|---|---|",
+        *(f"| `{key}` | {value} |" for key, value in hyperparameters.items()),
+        "",
+        "## Final metrics",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        *(
+            f"| `{key}` | {value:.4g} |" if isinstance(value, float) else f"| `{key}` | {value} |"
+            for key, value in final_metrics.items()
+        ),
+        "",
+    ]
+    if plot_file:
+        lines += ["## Training curves", "", f"![training curves]({plot_file})", ""]
+    lines += [
+        "## Use it",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")',
+        'inputs = tokenizer("Your prompt", return_tensors="pt")',
+        "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=32)[0]))",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
