@@ -59,8 +59,9 @@ def with_config_file(argv: list[str]) -> list[str]:
 
 
 def config_file_flags(path: str) -> list[str]:
-    """The options of a YAML file as flags: `learning_rate: 1e-5` -> `--learning_rate 1e-5`; lists give several
-    values (`report_to: [wandb, tensorboard]`), mappings are passed as JSON."""
+    """The options of a YAML file as flags: `learning_rate: 1e-5` -> `--learning_rate 1e-5`; a list gives several
+    values, or one comma-joined value for an option that takes one (`report_to: [wandb, tensorboard]`); mappings
+    are passed as JSON."""
     import json
 
     import yaml
@@ -71,16 +72,17 @@ def config_file_flags(path: str) -> list[str]:
         options = yaml.safe_load(handle) or {}
     if not isinstance(options, dict):
         raise SystemExit(f"trl-ppo: {path} must hold a mapping of option names to values.")
-    known = {action.dest for action in build_parser()._actions}
-    unknown = sorted(set(options) - known)
+    actions = {action.dest: action for action in build_parser()._actions}
+    unknown = sorted(set(options) - set(actions))
     if unknown:
         raise SystemExit(f"trl-ppo: unknown option(s) in {path}: {', '.join(unknown)} (see `trl-ppo --help`).")
     flags = []
     for key, value in options.items():
         if value is None:
             continue
-        if isinstance(value, list):
-            flags += [f"--{key}", *(str(item) for item in value)]
+        if isinstance(value, list):  # several values for a list option, else one comma-joined (`report_to`)
+            many = actions[key].nargs in ("+", "*")
+            flags += [f"--{key}", *(str(item) for item in value)] if many else [f"--{key}", ",".join(map(str, value))]
         elif isinstance(value, dict):
             flags += [f"--{key}", json.dumps(value)]
         else:

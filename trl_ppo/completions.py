@@ -33,7 +33,7 @@ def log_table_to_wandb(rows: list[dict], step: int, key: str = "completions") ->
     table = wandb.Table(columns=list(rows[0]))
     for row in rows:
         table.add_data(*row.values())
-    wandb.log({key: table}, step=step)
+    wandb.log({key: table, "train/global_step": step})  # the step axis `WandbCallback` uses for its metrics
 
 
 def show_table(rows: list[dict], title: str, report_to, step: int, key: str = "completions") -> None:

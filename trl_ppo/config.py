@@ -127,6 +127,12 @@ class OnPolicyConfig(TrainingArguments):
     )
     push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the model to the Hub after training."})
 
+    def __post_init__(self):
+        # `--report_to wandb,tensorboard` (and a YAML list, passed that way) for several trackers at once.
+        if isinstance(self.report_to, str) and "," in self.report_to:
+            self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]
+        super().__post_init__()
+
 
 @dataclass
 class PPOConfig(OnPolicyConfig):

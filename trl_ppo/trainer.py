@@ -148,7 +148,7 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin
             raise ValueError("`train_dataset` is empty: PPO needs prompts to sample from.")
         if args.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(
-                f"`eval_strategy={args.eval_strategy}` evaluates on `eval_dataset`, and none was given: pass one, or "
+                f"`eval_strategy={getattr(args.eval_strategy, 'value', args.eval_strategy)}` evaluates on `eval_dataset`, and none was given: pass one, or "
                 "set `eval_strategy='no'`."
             )
         if train_dataset is None and args.total_episodes is None:
@@ -498,6 +498,7 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin
         self.state.epoch = self.state.episode / len(self.train_dataset) if self.train_dataset is not None else 0.0
         self.lr_scheduler.step()
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        self._show_progress(metrics)
         if self.control.should_log:
             self.log(self._metrics_since_log.pop())
         if self.control.should_evaluate:  # before saving: the checkpoint's RNG state is then after the evaluation
@@ -506,6 +507,18 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(args, self.state, self.control)
         return metrics
+
+    def _show_progress(self, metrics: dict) -> None:
+        """Episodes, episodes/s, score and KL of the last update beside the progress bar (`ProgressCallback`'s)."""
+        for callback in self.callback_handler.callbacks:
+            bar = getattr(callback, "training_bar", None)
+            if bar is not None:
+                bar.set_postfix(
+                    episode=metrics["episode"],
+                    eps=metrics["eps"],
+                    score=f"{metrics['objective/scores']:.3g}",
+                    kl=f"{metrics['objective/kl']:.3g}",
+                )
 
     def _end_training(self) -> TrainOutput:
         self._training_active = False
