@@ -88,32 +88,18 @@ def test_env_names_the_versions_and_the_device(capsys):
         assert f"- {name}: " in out
 
 
-def tiny_trainer(tmp_path, **overrides):
+def tiny_trainer(make_config, **overrides):
+    """Two rewards (positive words, short responses), a separate value model, 10 evaluation prompts."""
     tokenizer = build_word_tokenizer()
     policy, value_model = build_tiny_models(tokenizer, hidden_size=32)
     split = default_prompts().train_test_split(test_size=10, seed=0)
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        total_episodes=16,
-        response_length=6,
-        num_ppo_epochs=1,
-        per_device_eval_batch_size=4,
-        num_sample_generations=0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        stop_token="eos",
-        disable_tqdm=True,
-    )
-    values.update(overrides)
+    config = make_config(**{"num_ppo_epochs": 1, "stop_token": "eos", "disable_tqdm": True, **overrides})
 
     def short_text(prompts, completions, **kwargs):
         return [float(len(c.split()) <= 3) for c in completions]
 
     return PPOTrainer(
-        args=PPOConfig(**values),
+        args=config,
         processing_class=tokenizer,
         model=policy,
         ref_model=None,
@@ -124,8 +110,8 @@ def tiny_trainer(tmp_path, **overrides):
     )
 
 
-def test_evaluate_alone_returns_the_documented_keys(tmp_path):
-    trainer = tiny_trainer(tmp_path)
+def test_evaluate_alone_returns_the_documented_keys(make_config):
+    trainer = tiny_trainer(make_config)
     metrics = trainer.evaluate()
     assert set(metrics) == {
         "eval/objective/scores",
@@ -181,7 +167,7 @@ def wandb_history_keys(run_file: str) -> set[str]:
     return keys
 
 
-def test_wandb_offline_and_tensorboard_runs_hold_the_metrics(tmp_path, monkeypatch):
+def test_wandb_offline_and_tensorboard_runs_hold_the_metrics(tmp_path, make_config, monkeypatch):
     import wandb
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -189,7 +175,7 @@ def test_wandb_offline_and_tensorboard_runs_hold_the_metrics(tmp_path, monkeypat
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tensorboard"))
-    trainer = tiny_trainer(tmp_path, report_to=["wandb", "tensorboard"], num_sample_generations=1)
+    trainer = tiny_trainer(make_config, report_to=["wandb", "tensorboard"], num_sample_generations=1)
     trainer.train()
     wandb.finish()
 
