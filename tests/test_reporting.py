@@ -27,13 +27,14 @@ def test_yaml_config_file_and_flags_that_override_it(tmp_path):
     config = write_yaml(
         tmp_path / "run.yaml",
         f"output_dir: {tmp_path / 'out'}\nlearning_rate: 0.001\nreport_to: [tensorboard, wandb]\n"
-        "stop_token: eos\nwhiten_rewards: true\ndataset_name: prompts.jsonl\n",
+        "stop_token: eos\nwhiten_rewards: true\ndataset_name: prompts.jsonl\nsave_strategy: no\n",
     )
     script_args, training_args, _, _ = parse(["--config", config, "--learning_rate", "2e-5"])
     assert training_args.learning_rate == 2e-5  # the command line wins
     assert training_args.report_to == ["tensorboard", "wandb"]
     assert training_args.stop_token == "eos" and training_args.whiten_rewards is True
     assert script_args.dataset_name == "prompts.jsonl"
+    assert training_args.save_strategy == "no"  # YAML's `no` is the option's value here, not False
 
     with pytest.raises(SystemExit, match=r"unknown option\(s\) in .*: lerning_rate"):
         parse(["--config", write_yaml(tmp_path / "bad.yaml", "lerning_rate: 0.1\n")])
@@ -68,7 +69,7 @@ def test_trl_ppo_train_from_a_yaml_file_then_plot(tmp_path, model_paths, prompts
     )
     run(["-m", "trl_ppo", "train", "--config", config, "--learning_rate", "1e-3"])
     history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
-    assert [e["episode"] for e in history if "eval/objective/scores" in e] == [16, 32]
+    assert [e["episode"] for e in history if "eval_objective/scores" in e] == [16, 32]
     card = (output_dir / "README.md").read_text()
     assert policy_path in card and prompts_file in card and "from_pretrained" in card
     assert "| `learning_rate` | 0.001 |" in card and "`objective/scores`" in card
@@ -114,25 +115,40 @@ def test_evaluate_alone_returns_the_documented_keys(make_config):
     trainer = tiny_trainer(make_config)
     metrics = trainer.evaluate()
     assert set(metrics) == {
-        "eval/objective/scores",
-        "eval/objective/kl",
-        "eval/val/mean_response_length",
-        "eval/val/stop_token_frac",
-        "eval/objective/scores/positive_words_reward",
-        "eval/objective/scores/short_text",
+        "eval_objective/scores",
+        "eval_objective/kl",
+        "eval_val/mean_response_length",
+        "eval_val/stop_token_frac",
+        "eval_objective/scores/positive_words_reward",
+        "eval_objective/scores/short_text",
     }
-    assert metrics["eval/objective/kl"] == 0.0  # before training the policy is its reference
-    assert 1 <= metrics["eval/val/mean_response_length"] <= 6
-    assert 0 <= metrics["eval/val/stop_token_frac"] <= 1
-    expected = metrics["eval/objective/scores/positive_words_reward"] + metrics["eval/objective/scores/short_text"]
-    assert metrics["eval/objective/scores"] == pytest.approx(expected, abs=1e-5)
+    assert metrics["eval_objective/kl"] == 0.0  # before training the policy is its reference
+    assert 1 <= metrics["eval_val/mean_response_length"] <= 6
+    assert 0 <= metrics["eval_val/stop_token_frac"] <= 1
+    expected = metrics["eval_objective/scores/positive_words_reward"] + metrics["eval_objective/scores/short_text"]
+    assert metrics["eval_objective/scores"] == pytest.approx(expected, abs=1e-5)
+    trainer.train()  # the baseline evaluation stays in the run's log (and so on its curves and model card)
+    assert trainer.state.log_history[0]["eval_objective/scores"] == metrics["eval_objective/scores"]
+
+
+def test_eval_strategy_epoch_is_refused(make_config):
+    with pytest.raises(ValueError, match="`eval_strategy='epoch'` is not supported.*eval_steps"):
+        tiny_trainer(make_config, eval_strategy="epoch")
+
+
+def test_model_card_names_a_hub_base_model_in_its_header():
+    from trl_ppo.reporting import model_card
+
+    card = model_card("EleutherAI/pythia-1b-deduped", "trl-lib/tldr", ["reward_model"], {"seed": 1}, {}, None)
+    assert "base_model: EleutherAI/pythia-1b-deduped" in card.split("---")[1]
+    assert "**Base model:** EleutherAI/pythia-1b-deduped" in card
 
 
 def test_eval_strategy_without_eval_dataset_is_refused(tmp_path):
     tokenizer = build_word_tokenizer()
     policy, value_model = build_tiny_models(tokenizer, hidden_size=32)
     config = PPOConfig(output_dir=str(tmp_path), eval_strategy="steps", eval_steps=1, report_to="none")
-    with pytest.raises(ValueError, match="`eval_strategy=steps` evaluates on `eval_dataset`"):
+    with pytest.raises(ValueError, match=r"`eval_strategy=steps` \(or `eval_on_start`\) evaluates on `eval_dataset`"):
         PPOTrainer(config, tokenizer, policy, None, positive_words_reward, default_prompts(), value_model)
 
 
@@ -175,7 +191,9 @@ def test_wandb_offline_and_tensorboard_runs_hold_the_metrics(tmp_path, make_conf
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tensorboard"))
-    trainer = tiny_trainer(make_config, report_to=["wandb", "tensorboard"], num_sample_generations=1)
+    trainer = tiny_trainer(
+        make_config, report_to=["wandb", "tensorboard"], num_sample_generations=1, eval_strategy="steps", eval_steps=1
+    )
     trainer.train()
     wandb.finish()
 
@@ -192,3 +210,8 @@ def test_wandb_offline_and_tensorboard_runs_hold_the_metrics(tmp_path, make_conf
     scores = [event.value for event in accumulator.Scalars("train/objective/scores")]
     logged = [entry["objective/scores"] for entry in trainer.state.log_history if "objective/scores" in entry]
     assert scores == pytest.approx(logged)
+    eval_scores = [event.value for event in accumulator.Scalars("eval/objective/scores")]  # shown as eval/...
+    assert eval_scores == pytest.approx(
+        [e["eval_objective/scores"] for e in trainer.state.log_history if "eval_objective/scores" in e]
+    )
+    assert "eval/objective/scores" in keys

@@ -413,7 +413,7 @@ class CheckpointingMixin:
         hyperparameters = {name: getattr(args, name) for name in names if hasattr(args, name)}
         final = {}
         for entry in history:
-            final.update({k: v for k, v in entry.items() if k.startswith(("objective/", "eval/")) or k == "episode"})
+            final.update({k: v for k, v in entry.items() if k.startswith(("objective/", "eval_")) or k == "episode"})
         plot = None
         if any("episode" in entry for entry in history):
             plot_curves(history, os.path.join(output_dir, PLOT_FILE), os.path.basename(os.path.abspath(output_dir)))

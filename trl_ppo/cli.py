@@ -58,6 +58,26 @@ def with_config_file(argv: list[str]) -> list[str]:
     return argv
 
 
+def _yaml_loader():
+    """YAML 1.1's safe loader, except that only true/false are booleans: `eval_strategy: no` stays the string "no"
+    (the option's value), not False."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), "tTfF"
+    )
+    return Loader
+
+
 def config_file_flags(path: str) -> list[str]:
     """The options of a YAML file as flags: `learning_rate: 1e-5` -> `--learning_rate 1e-5`; a list gives several
     values, or one comma-joined value for an option that takes one (`report_to: [wandb, tensorboard]`); mappings
@@ -69,7 +89,7 @@ def config_file_flags(path: str) -> list[str]:
     if not os.path.isfile(path):
         raise SystemExit(f"trl-ppo: the config file {path} does not exist.")
     with open(path, encoding="utf-8") as handle:
-        options = yaml.safe_load(handle) or {}
+        options = yaml.load(handle, Loader=_yaml_loader()) or {}
     if not isinstance(options, dict):
         raise SystemExit(f"trl-ppo: {path} must hold a mapping of option names to values.")
     actions = {action.dest: action for action in build_parser()._actions}

@@ -32,13 +32,14 @@ class EvaluationMixin:
         """Sample one response (at the training temperature) to every prompt of `eval_dataset` (default: the
         trainer's), score it, and return and log, over all processes:
 
-        - `eval/objective/scores`: mean score (the rewards' weighted sum, EOS penalty included), and
-          `eval/objective/scores/<reward>` for each reward;
-        - `eval/objective/kl`: mean summed per-token KL to the reference (the training penalty's estimator);
-        - `eval/val/mean_response_length`: mean number of response tokens (up to and including the stop token);
-        - `eval/val/stop_token_frac`: fraction of responses that end with the stop token (EOS when none is set).
+        - `eval_objective/scores`: mean score (the rewards' weighted sum, EOS penalty included), and
+          `eval_objective/scores/<reward>` for each reward;
+        - `eval_objective/kl`: mean summed per-token KL to the reference (the training penalty's estimator);
+        - `eval_val/mean_response_length`: mean number of response tokens (up to and including the stop token);
+        - `eval_val/stop_token_frac`: fraction of responses that end with the stop token (EOS when none is set).
 
-        `eval` is `metric_key_prefix`. The global RNG is used for sampling, as in training.
+        `eval` is `metric_key_prefix`; as for any `Trainer`, trackers show `eval_x` as `eval/x` (so
+        `eval/objective/scores`). Sampling uses the global RNG, as in training.
         """
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
@@ -97,7 +98,7 @@ class EvaluationMixin:
             for name, parts in per_reward.items()
         }
         metrics.update(reward_metrics(merged, accelerator))
-        metrics = {f"{metric_key_prefix}/{key}": value for key, value in metrics.items() if "missing_scores" not in key}
+        metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items() if "missing_scores" not in key}
         self.log({**metrics, "episode": getattr(self.state, "episode", 0)})  # the episode places it on the curves
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -8,14 +8,14 @@ import platform
 
 # (panel title, metrics drawn in it): the curves a PPO practitioner reads first.
 CURVES = (
-    ("score", ("objective/scores", "eval/objective/scores")),
+    ("score", ("objective/scores", "eval_objective/scores")),
     ("RLHF reward", ("objective/rlhf_reward",)),
-    ("KL to the reference", ("objective/kl", "eval/objective/kl")),
+    ("KL to the reference", ("objective/kl", "eval_objective/kl")),
     ("entropy", ("objective/entropy",)),
     ("value loss", ("loss/value_avg",)),
     ("clip fractions", ("policy/clipfrac_avg", "val/clipfrac_avg")),
     ("episodes/s", ("eps",)),
-    ("response length", ("eval/val/mean_response_length",)),
+    ("response length", ("eval_val/mean_response_length",)),
 )
 PLOT_FILE = "training_curves.png"
 PLOT_SIZE = (1600, 800)  # pixels: 4 x 2 panels
@@ -121,7 +121,7 @@ def model_card(
 ) -> str:
     """The README.md of a saved policy (Markdown with a YAML header, as the Hugging Face hub reads it)."""
     header = ["---", "library_name: transformers", "tags:", "- trl_ppo", "- ppo", "- rlhf"]
-    if base_model and os.path.sep not in base_model and not base_model.startswith("."):
+    if base_model and not os.path.exists(base_model):  # a hub id, not a local folder
         header.append(f"base_model: {base_model}")
     header.append("---")
     lines = [

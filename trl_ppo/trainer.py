@@ -146,10 +146,16 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin
         eval_dataset = prepare_prompt_dataset(eval_dataset, processing_class, args.dataset_num_proc)
         if train_dataset is not None and len(train_dataset) == 0:
             raise ValueError("`train_dataset` is empty: PPO needs prompts to sample from.")
-        if args.eval_strategy != "no" and eval_dataset is None:
+        if args.eval_strategy == "epoch":
             raise ValueError(
-                f"`eval_strategy={getattr(args.eval_strategy, 'value', args.eval_strategy)}` evaluates on `eval_dataset`, and none was given: pass one, or "
-                "set `eval_strategy='no'`."
+                "`eval_strategy='epoch'` is not supported: PPO counts updates, not epochs. Use `eval_strategy='steps'` "
+                "with `eval_steps` (in updates)."
+            )
+        if (args.eval_strategy != "no" or args.eval_on_start) and eval_dataset is None:
+            strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+            raise ValueError(
+                f"`eval_strategy={strategy}` (or `eval_on_start`) evaluates on `eval_dataset`, and none was given: "
+                "pass one, or set `eval_strategy='no'`."
             )
         if train_dataset is None and args.total_episodes is None:
             raise ValueError(
@@ -284,6 +290,8 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin
         if self.train_dataset is None:
             raise ValueError("`train()` samples from `train_dataset`, and none was given (use `step()` without one).")
         self._begin_training(self._checkpoint_to_resume(resume_from_checkpoint))
+        if args.eval_on_start and self.state.global_step == 0:
+            self.evaluate()
         batches = self._batches_forever()
         with ckpt.PreemptionHandler() as preemption:
             for update in range(self.state.global_step + 1, args.num_total_batches + 1):
@@ -446,7 +454,10 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin
     # ------------------------------------------------------------------------------------- state and logging
     def _begin_training(self, checkpoint: str | None) -> None:
         args = self.args
+        earlier_logs = self.state.log_history  # e.g. an `evaluate()` before training: kept in a fresh run
         self.state = TrainerState(stateful_callbacks=self._exportable_callbacks())
+        if checkpoint is None:
+            self.state.log_history = earlier_logs
         self.state.episode = 0
         self.data_position = (0, 0)
         self._metrics_since_log = MetricsSinceLog()
