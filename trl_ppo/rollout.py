@@ -1,4 +1,5 @@
-"""Rollout: sample responses from the policy and compute what the update needs about them.
+"""Rollout: sample responses from the policy and compute what the update needs about them (`RolloutMixin`, the
+trainer's part).
 
 The generation backend is one function with the signature of `sample_responses` (left-padded prompts in,
 response ids out); a faster backend is a new function of that shape, not a new trainer.
@@ -12,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import distributed as dist
 from . import ppo
 from .distributed import all_processes
-from .models import position_ids_from_mask
+from .models import peft_reference, policy_response_logits, position_ids_from_mask
 
 
 @dataclass
@@ -178,3 +180,101 @@ def masked_response_logprobs(logits: torch.Tensor, rollout: Rollout) -> torch.Te
     """Log-probs of the sampled response tokens `[B, T]`, INVALID_LOGPROB on padding."""
     logprobs = ppo.logprobs_from_logits(logits, rollout.responses)
     return logprobs.masked_fill(~rollout.response_mask, ppo.INVALID_LOGPROB)
+
+
+class RolloutMixin:
+    """The rollout of `PPOTrainer`: sample responses to a batch of prompts, then the log-probabilities under the
+    policy and the reference and the values. It relies on the trainer's `args`, `model`, `ref_model`, `accelerator`,
+    `processing_class` and `stop_token_id`."""
+
+    def collect_rollout(self, batch: dict) -> Rollout:
+        """Sample one response per prompt, then compute logprobs, ref_logprobs and values (no gradients)."""
+        queries, query_mask = self._prompts_of(batch)
+        responses = self._sample(queries, query_mask)
+        rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
+        return self.add_logprobs_and_values(rollout)
+
+    @torch.no_grad()
+    def add_logprobs_and_values(self, rollout: Rollout) -> Rollout:
+        """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout, in chunks of
+        `local_rollout_forward_batch_size` episodes."""
+        args = self.args
+        wrapper = self.accelerator.unwrap_model(self.model)
+        full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk at a time
+        logprobs, ref_logprobs, values, full_kls = [], [], [], []
+        with self.accelerator.autocast():
+            for part in chunks(rollout.queries.size(0), args.local_rollout_forward_batch_size):
+                episodes = rollout.select(part)
+                logits, value = wrapper(
+                    episodes.input_ids, episodes.attention_mask, episodes.response_length, args.temperature
+                )
+                logprobs.append(masked_response_logprobs(logits, episodes))
+                values.append(value.float().masked_fill(~episodes.response_mask, 0.0))
+                if not full_kl:
+                    del logits  # before the reference forward: one chunk of full logits alive at a time
+                ref_logits = self._reference_logits(episodes)
+                ref_logprobs.append(masked_response_logprobs(ref_logits, episodes))
+                if full_kl:
+                    kl = ppo.full_kl_from_logits(logits, ref_logits).masked_fill(~episodes.response_mask, 0.0)
+                    full_kls.append(kl)
+                    del logits
+                del ref_logits
+        rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
+        rollout.values = torch.cat(values)
+        rollout.full_kl = torch.cat(full_kls) if full_kl else None
+        return rollout
+
+    def _prompts_of(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt ids, prompt mask) of a collated batch on the device, checked to be left-padded."""
+        queries = batch["input_ids"].to(self.accelerator.device)
+        if "attention_mask" in batch:
+            query_mask = batch["attention_mask"].to(queries.device).bool()
+        else:
+            query_mask = queries != self.processing_class.pad_token_id
+        if not bool(query_mask[:, -1].all()):
+            raise ValueError(
+                "Prompts must be left-padded (the response is appended after the last column), but this batch has "
+                "padding at the end: use the default collator, or a tokenizer with `padding_side='left'`."
+            )
+        return queries, query_mask
+
+    def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:
+        """Responses `[B, T]` to left-padded prompts, padded after the stop token. `generation_kwargs` can change
+        `max_new_tokens` and `temperature` (and the `eos_token_id` that stops a response); others (top_k, ...)
+        select `transformers`' `generate` as the backend (see `rollout.generation_backend`)."""
+        args = self.args
+        sample, settings = generation_backend(
+            generation_kwargs, args.response_length, args.temperature, self.stop_token_id
+        )
+        wrapper = self.accelerator.unwrap_model(self.model)
+        gather = args.ds3_gather_for_generation
+        settings["synced_processes"] = dist.sampling_needs_sync(self.accelerator, gather)
+        with dist.gathered_for_generation(self.model, wrapper, self.accelerator, gather):
+            was_training = wrapper.training
+            wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
+            try:
+                with self.accelerator.autocast():
+                    responses = [
+                        sample(
+                            wrapper.lm,
+                            queries[part],
+                            query_mask[part],
+                            pad_token_id=self.processing_class.pad_token_id,
+                            **settings,
+                        )
+                        for part in chunks(queries.size(0), args.local_rollout_forward_batch_size)
+                    ]
+            finally:
+                wrapper.train(was_training)
+        return torch.cat(responses)
+
+    def _reference_logits(self, episodes: Rollout) -> torch.Tensor:
+        args = self.args
+        length = episodes.response_length
+        if self.ref_model is not None:
+            return policy_response_logits(
+                self.ref_model, episodes.input_ids, episodes.attention_mask, length, args.temperature
+            )
+        lm = self.accelerator.unwrap_model(self.model).lm
+        with peft_reference(lm, args.ref_adapter_name, args.model_adapter_name):
+            return policy_response_logits(lm, episodes.input_ids, episodes.attention_mask, length, args.temperature)

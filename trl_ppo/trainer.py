@@ -47,26 +47,21 @@ from .models import (
     freeze,
     gradient_checkpointing_kwargs,
     is_peft_model,
-    peft_reference,
-    policy_response_logits,
     prepare_models,
     shared_parameters,
     with_value_function,
 )
 from .rewards import build_rewards, compute_scores, models_reading_policy_ids
-from .rollout import (
-    Rollout,
-    chunks,
-    generation_backend,
-    masked_response_logprobs,
-)
+from .rollout import Rollout, RolloutMixin
 from .step_api import StepAPIMixin
 from .update import PPOUpdateMixin
 
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin, CheckpointingMixin, Trainer):
+class PPOTrainer(
+    StepAPIMixin, RolloutMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin, CheckpointingMixin, Trainer
+):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -315,43 +310,6 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin
                     break
         return self._end_training()
 
-    def collect_rollout(self, batch: dict) -> Rollout:
-        """Sample one response per prompt, then compute logprobs, ref_logprobs and values (no gradients)."""
-        queries, query_mask = self._prompts_of(batch)
-        responses = self._sample(queries, query_mask)
-        rollout = Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id))
-        return self.add_logprobs_and_values(rollout)
-
-    @torch.no_grad()
-    def add_logprobs_and_values(self, rollout: Rollout) -> Rollout:
-        """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout, in chunks of
-        `local_rollout_forward_batch_size` episodes."""
-        args = self.args
-        wrapper = self.accelerator.unwrap_model(self.model)
-        full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk at a time
-        logprobs, ref_logprobs, values, full_kls = [], [], [], []
-        with self.accelerator.autocast():
-            for part in chunks(rollout.queries.size(0), args.local_rollout_forward_batch_size):
-                episodes = rollout.select(part)
-                logits, value = wrapper(
-                    episodes.input_ids, episodes.attention_mask, episodes.response_length, args.temperature
-                )
-                logprobs.append(masked_response_logprobs(logits, episodes))
-                values.append(value.float().masked_fill(~episodes.response_mask, 0.0))
-                if not full_kl:
-                    del logits  # before the reference forward: one chunk of full logits alive at a time
-                ref_logits = self._reference_logits(episodes)
-                ref_logprobs.append(masked_response_logprobs(ref_logits, episodes))
-                if full_kl:
-                    kl = ppo.full_kl_from_logits(logits, ref_logits).masked_fill(~episodes.response_mask, 0.0)
-                    full_kls.append(kl)
-                    del logits
-                del ref_logits
-        rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
-        rollout.values = torch.cat(values)
-        rollout.full_kl = torch.cat(full_kls) if full_kl else None
-        return rollout
-
     def score(self, rollout: Rollout, batch: dict) -> tuple[torch.Tensor, dict]:
         """Scores `[B]` (weighted sum of the rewards, minus `missing_eos_penalty` for responses without the stop
         token) and, per reward name, `(scores [B], present [B] or None)`."""
@@ -394,62 +352,6 @@ class PPOTrainer(StepAPIMixin, PPOUpdateMixin, EvaluationMixin, CompletionsMixin
         return ppo.shape_scores(
             scores, moments.mean, moments.std, args.use_score_scaling, args.use_score_norm, args.score_clip
         )
-
-    # ------------------------------------------------------------------------------------------ rollout parts
-    def _prompts_of(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt ids, prompt mask) of a collated batch on the device, checked to be left-padded."""
-        queries = batch["input_ids"].to(self.accelerator.device)
-        if "attention_mask" in batch:
-            query_mask = batch["attention_mask"].to(queries.device).bool()
-        else:
-            query_mask = queries != self.processing_class.pad_token_id
-        if not bool(query_mask[:, -1].all()):
-            raise ValueError(
-                "Prompts must be left-padded (the response is appended after the last column), but this batch has "
-                "padding at the end: use the default collator, or a tokenizer with `padding_side='left'`."
-            )
-        return queries, query_mask
-
-    def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:
-        """Responses `[B, T]` to left-padded prompts, padded after the stop token. `generation_kwargs` can change
-        `max_new_tokens` and `temperature` (and the `eos_token_id` that stops a response); others (top_k, ...)
-        select `transformers`' `generate` as the backend (see `rollout.generation_backend`)."""
-        args = self.args
-        sample, settings = generation_backend(
-            generation_kwargs, args.response_length, args.temperature, self.stop_token_id
-        )
-        wrapper = self.accelerator.unwrap_model(self.model)
-        gather = args.ds3_gather_for_generation
-        settings["synced_processes"] = dist.sampling_needs_sync(self.accelerator, gather)
-        with dist.gathered_for_generation(self.model, wrapper, self.accelerator, gather):
-            was_training = wrapper.training
-            wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
-            try:
-                with self.accelerator.autocast():
-                    responses = [
-                        sample(
-                            wrapper.lm,
-                            queries[part],
-                            query_mask[part],
-                            pad_token_id=self.processing_class.pad_token_id,
-                            **settings,
-                        )
-                        for part in chunks(queries.size(0), args.local_rollout_forward_batch_size)
-                    ]
-            finally:
-                wrapper.train(was_training)
-        return torch.cat(responses)
-
-    def _reference_logits(self, episodes: Rollout) -> torch.Tensor:
-        args = self.args
-        length = episodes.response_length
-        if self.ref_model is not None:
-            return policy_response_logits(
-                self.ref_model, episodes.input_ids, episodes.attention_mask, length, args.temperature
-            )
-        lm = self.accelerator.unwrap_model(self.model).lm
-        with peft_reference(lm, args.ref_adapter_name, args.model_adapter_name):
-            return policy_response_logits(lm, episodes.input_ids, episodes.attention_mask, length, args.temperature)
 
     # ------------------------------------------------------------------------------------- state and logging
     def _begin_training(self, checkpoint: str | None) -> None:
