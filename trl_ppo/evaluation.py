@@ -56,6 +56,7 @@ class EvaluationMixin:
         args, accelerator = self.args, self.accelerator
         indices, counted = process_share(len(dataset), accelerator.num_processes, accelerator.process_index)
         totals, per_reward = torch.zeros(5, device=accelerator.device), {}
+        stop_token_id = self.stop_token_id if self.stop_token_id is not None else self.penalty_token_id
         was_training = self.model.training
         self.model.eval()
         for part in chunks(len(indices), args.per_device_eval_batch_size):
@@ -63,7 +64,6 @@ class EvaluationMixin:
             valid = torch.tensor(counted[part], device=accelerator.device)
             queries, query_mask = self._prompts_of(batch)
             responses = self._sample(queries, query_mask)
-            stop_token_id = self.stop_token_id if self.stop_token_id is not None else self.penalty_token_id
             rollout = Rollout(
                 queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id)
             )
@@ -81,9 +81,7 @@ class EvaluationMixin:
                 [(values.float() * weights).sum() for values in (scores, kl, lengths, stopped)] + [weights.sum()]
             )
             for name, (values, present) in scores_per_reward.items():
-                present = valid if present is None else present & valid
-                previous = per_reward.setdefault(name, [])
-                previous.append((values, present))
+                per_reward.setdefault(name, []).append((values, valid if present is None else present & valid))
         self.model.train(was_training)
 
         score_sum, kl_sum, length_sum, stopped_sum, count = accelerator.reduce(totals, reduction="sum").tolist()
