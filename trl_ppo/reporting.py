@@ -22,13 +22,13 @@ PLOT_SIZE = (1600, 800)  # pixels: 4 x 2 panels
 
 
 def read_log_history(output_dir: str) -> list[dict]:
-    """The logged entries of a run: `trainer_state.json` in `output_dir`, else in its newest checkpoint."""
+    """The logged entries of a run: `trainer_state.json` in `output_dir`, else in its newest complete checkpoint."""
+    from .checkpoint import latest_checkpoint
+
     candidates = [os.path.join(output_dir, "trainer_state.json")]
-    checkpoints = (
-        [name for name in os.listdir(output_dir) if name.startswith("checkpoint-")] if os.path.isdir(output_dir) else []
-    )
-    checkpoints.sort(key=lambda name: int(name.split("-")[-1]) if name.split("-")[-1].isdigit() else -1)
-    candidates += [os.path.join(output_dir, name, "trainer_state.json") for name in reversed(checkpoints)]
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is not None:
+        candidates.append(os.path.join(checkpoint, "trainer_state.json"))
     for path in candidates:
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as handle:
