@@ -10,9 +10,8 @@ import math
 
 import torch
 
-from . import ppo
 from .metrics import reward_metrics
-from .rollout import Rollout, chunks
+from .rollout import chunks
 
 
 def process_share(dataset_length: int, num_processes: int, process_index: int) -> tuple[list[int], list[bool]]:
@@ -62,20 +61,11 @@ class EvaluationMixin:
         for part in chunks(len(indices), args.per_device_eval_batch_size):
             batch = self.data_collator([dataset[i] for i in indices[part]])
             valid = torch.tensor(counted[part], device=accelerator.device)
-            queries, query_mask = self._prompts_of(batch)
-            responses = self._sample(queries, query_mask)
-            rollout = Rollout(
-                queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id)
-            )
-            rollout = self.add_logprobs_and_values(rollout)
+            rollout = self.collect_rollout(batch)
             scores, scores_per_reward = self.score(rollout, batch)
-            if args.kl_penalty == "full":
-                kl = rollout.full_kl
-            else:
-                kl = ppo.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_penalty, args.kl_estimator)
-            kl = kl.masked_fill(~rollout.response_mask, 0.0).sum(1)
+            kl = self.per_token_kl(rollout).sum(1)
             lengths = rollout.response_mask.sum(1).float()
-            stopped = ((responses == stop_token_id) & rollout.response_mask).any(1).float()
+            stopped = ((rollout.responses == stop_token_id) & rollout.response_mask).any(1).float()
             weights = valid.float()
             totals += torch.stack(
                 [(values.float() * weights).sum() for values in (scores, kl, lengths, stopped)] + [weights.sum()]

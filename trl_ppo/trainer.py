@@ -329,11 +329,7 @@ class PPOTrainer(
         """KL-penalised per-token rewards -> GAE advantages (whitened) and returns, all `[B, T]`."""
         args = self.args
         mask = rollout.response_mask
-        if args.kl_penalty == "full":
-            kl = rollout.full_kl
-        else:
-            kl = ppo.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_penalty, args.kl_estimator)
-        kl = kl.masked_fill(~mask, 0.0)
+        kl = self.per_token_kl(rollout)
         scores = self._shaped_scores(rollout.scores)
         rewards, non_score_rewards = ppo.per_token_rewards(scores, kl, mask, self.kl_coef)
         if args.whiten_rewards:
@@ -341,6 +337,15 @@ class PPOTrainer(
         advantages, returns = ppo.compute_gae(rewards, rollout.values, mask, args.gamma, args.lam)
         advantages = ppo.masked_whiten(advantages, mask).masked_fill(~mask, 0.0)
         return advantages, returns, {"kl": kl, "non_score_rewards": non_score_rewards, "shaped_scores": scores}
+
+    def per_token_kl(self, rollout: Rollout) -> torch.Tensor:
+        """The per-token KL penalty term `[B, T]` of `kl_penalty` (with `kl_estimator`), zero on padding."""
+        args = self.args
+        if args.kl_penalty == "full":
+            kl = rollout.full_kl
+        else:
+            kl = ppo.kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_penalty, args.kl_estimator)
+        return kl.masked_fill(~rollout.response_mask, 0.0)
 
     def _shaped_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores as the rewards use them: scaled by the running moments (updated with this update's scores from
