@@ -1,52 +1,51 @@
-"""Episodes per second and peak memory of trl_ppo's PPO loop on random-init GPT-NeoX shapes.
+"""trl_ppo against TRL 1.12's PPO trainer, side by side: episodes per second, peak memory, and learning parity.
 
-    python benchmark/bench_ppo.py --shape tiny                 # CPU, seconds
-    python benchmark/bench_ppo.py --shape 160m --precision bf16 # GPU
-    accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml --num_processes 1 \
-        benchmark/bench_ppo.py --shape 160m --precision bf16     # under DeepSpeed ZeRO-3 (or ZeRO-2, DDP, ...)
+    python benchmark/bench_ppo.py --shape tiny                          # CPU: both trainers, alternated
+    python benchmark/bench_ppo.py --shape 160m 1b --precision fp32 bf16  # GPU: every shape x precision
+    python benchmark/bench_ppo.py --parity --shape tiny                  # 20 updates x 3 seeds, score gain
+    accelerate launch --config_file examples/accelerate_configs/deepspeed_zero2.yaml --num_processes 1 \
+        benchmark/bench_ppo.py --shape 160m --precision bf16 --trainers trl_ppo   # trl_ppo under a launcher
 
-Same setup as the reference figures in the project's issues: batch 64 (16 x 4 accumulation), 4 PPO epochs,
-`response_length` 53, prompts of 32-64 random tokens, a reward model of the policy's shape. Throughput is
-measured in steady state: the first update (warm-up) is excluded. Under several processes, episodes/s counts all
-processes' episodes and the memory is the main process's. Results go to benchmark/RESULTS.md by hand, with the
-command and the machine.
+The config is the one of the reference figures in issue 7: random-init GPT-NeoX models of the pythia shapes
+built from config (policy; value and reward models of the same shape; the reference a frozen copy of the
+policy), batch 64 = 16 x 4 accumulation, 4 PPO epochs, `response_length` 53, no stop token, prompts of 32-64
+random tokens. Both trainers get the same models (same seed), tokenizer, prompts and PPO hyper-parameters, each
+with its own defaults otherwise (TRL's default turns gradient checkpointing on; `--trl_ppo_flags` adds
+trl_ppo options such as `micro_batches_per_forward`). TRL's bf16 is switched on the way its own docs say,
+through `ACCELERATE_MIXED_PRECISION=bf16`.
+
+Each measurement runs in its own subprocess (so peak memory, CUDA peak allocated or CPU max RSS, is that
+trainer's alone), trainers alternated within each repeat. Episodes/s is the steady state: the first update
+(warm-up, compilation) is excluded. Results are printed as a table and appended as JSON lines to `--results`
+(read by `benchmark/plot_results.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import shlex
+import subprocess
 import sys
 import time
 
-import torch
-from datasets import Dataset
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, TrainerCallback
-
-from trl_ppo import PPOConfig, PPOTrainer
-from trl_ppo.default_job import build_word_tokenizer
-from trl_ppo.distributed import deepspeed_zero_stage
-
-SHAPES = {  # hidden size, layers, heads (pythia family), vocabulary 50304
+SHAPES = {  # hidden size, layers, heads, vocabulary (the pythia family's, vocabulary padded to 50304)
     "tiny": (64, 2, 4, 512),
     "160m": (768, 12, 12, 50304),
     "410m": (1024, 24, 16, 50304),
     "1b": (2048, 16, 8, 50304),
 }
+TRAINERS = ("trl_ppo", "trl")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-class UpdateTimer(TrainerCallback):
-    def __init__(self) -> None:
-        self.times = [time.perf_counter()]
+# ------------------------------------------------------------------------------------------ one measurement
+def build_models(shape: str, tokenizer, seed: int):
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-
-
-def build_models(shape: str, tokenizer, dtype):
     hidden, layers, heads, vocab = SHAPES[shape]
     config = GPTNeoXConfig(
         vocab_size=vocab,
@@ -59,16 +58,20 @@ def build_models(shape: str, tokenizer, dtype):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(0)
-    # The reference is the trainer's frozen copy of the policy (ref_model=None), as in a real run.
-    return (
-        GPTNeoXForCausalLM(config).to(dtype),
-        GPTNeoXForSequenceClassification(config).to(dtype),
-        GPTNeoXForSequenceClassification(config).to(dtype),
-    )
+    torch.manual_seed(seed)
+    # Initialised on the GPU when there is one (the same draws for both trainers; seconds instead of minutes at 1b).
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        policy = GPTNeoXForCausalLM(config)
+        value_model = GPTNeoXForSequenceClassification(config)
+        reward_model = GPTNeoXForSequenceClassification(config)
+    return policy, value_model, reward_model
 
 
-def random_prompts(vocab: int, count: int, seed: int = 0) -> Dataset:
+def random_prompts(vocab: int, count: int, seed: int = 0):
+    """`count` prompts of 32-64 token ids drawn above the tokenizer's special tokens (ids 0-2)."""
+    import torch
+    from datasets import Dataset
+
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(32, 65, (count,), generator=generator)
     return Dataset.from_dict(
@@ -76,23 +79,51 @@ def random_prompts(vocab: int, count: int, seed: int = 0) -> Dataset:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--updates", type=int, default=4, help="Updates measured after the warm-up update.")
-    parser.add_argument("--per_device_train_batch_size", type=int, default=16)
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=4)
-    parser.add_argument("--output_dir", default="/tmp/trl_ppo_bench")
-    parser.add_argument("--ddp_backend", default=None, help="e.g. gloo for DeepSpeed on CPU.")
-    cli = parser.parse_args()
+def parse_flags(text: str) -> dict:
+    """`"a=1 b=true"` -> `{"a": 1, "b": True}` (ints, floats, booleans, else strings)."""
+    flags = {}
+    for item in shlex.split(text or ""):
+        key, _, value = item.partition("=")
+        for cast in (int, float):
+            try:
+                flags[key] = cast(value)
+                break
+            except ValueError:
+                continue
+        else:
+            flags[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return flags
 
-    tokenizer = build_word_tokenizer()
-    batch = cli.per_device_train_batch_size * cli.gradient_accumulation_steps
-    policy, value_model, reward_model = build_models(cli.shape, tokenizer, torch.float32)
+
+def measure(cli) -> dict:
+    """Train `cli.trainer` for `cli.updates + 1` updates in this process; -> the result row."""
+    import torch
+    from transformers import TrainerCallback
+
+    from trl_ppo.default_job import build_word_tokenizer
+
+    class UpdateLog(TrainerCallback):
+        def __init__(self) -> None:
+            self.times, self.scores = [], []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.times = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "objective/scores" in logs:
+                self.scores.append(logs["objective/scores"])
+
     on_gpu = torch.cuda.is_available()
-    config = PPOConfig(
-        output_dir=cli.output_dir,
+    tokenizer = build_word_tokenizer()
+    policy, value_model, reward_model = build_models(cli.shape, tokenizer, cli.seed)
+    batch = cli.per_device_train_batch_size * cli.gradient_accumulation_steps
+    common = dict(
+        output_dir=os.path.join(cli.output_dir, cli.trainer),
         per_device_train_batch_size=cli.per_device_train_batch_size,
         gradient_accumulation_steps=cli.gradient_accumulation_steps,
         total_episodes=batch * (cli.updates + 1),
@@ -100,50 +131,198 @@ def main() -> None:
         response_length=53,
         local_rollout_forward_batch_size=batch,
         num_sample_generations=0,
+        learning_rate=cli.learning_rate,
+        seed=cli.seed,
         save_strategy="no",
         report_to="none",
         logging_steps=1,
         bf16=cli.precision == "bf16",
         use_cpu=not on_gpu,
         disable_tqdm=True,
-        ddp_backend=cli.ddp_backend,
     )
-    timer = UpdateTimer()
+    dataset = random_prompts(SHAPES[cli.shape][3], batch * 4, seed=cli.seed)
+    log = UpdateLog()
+    if cli.trainer == "trl":
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+        if cli.precision == "bf16":  # TRL builds its own Accelerator, which reads the precision from here
+            os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
+        config = PPOConfig(**common)
+        ref_model = None  # TRL copies the policy
+    else:
+        from trl_ppo import PPOConfig, PPOTrainer
+        from trl_ppo.distributed import deepspeed_zero_stage
+
+        config = PPOConfig(**common, ddp_backend=cli.ddp_backend, **parse_flags(cli.trl_ppo_flags))
+        ref_model = None  # trl_ppo copies the policy too
     trainer = PPOTrainer(
         args=config,
         processing_class=tokenizer,
         model=policy,
-        ref_model=None,
+        ref_model=ref_model,
         reward_model=reward_model,
         value_model=value_model,
-        train_dataset=random_prompts(SHAPES[cli.shape][3], batch * 2),
-        callbacks=[timer],
+        train_dataset=dataset,
+        callbacks=[log],
     )
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    steady = timer.times[2:]  # end of the warm-up update onwards
-    seconds = steady[-1] - timer.times[1]
-    batch = config.batch_size  # all processes' episodes per update
-    result = {
+    steady = log.times[2:]  # from the end of the warm-up update
+    seconds = steady[-1] - log.times[1]
+    if on_gpu:
+        peak, peak_kind = torch.cuda.max_memory_allocated(), "cuda_max_allocated"
+    else:
+        peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max_rss"
+    world = trainer.accelerator.num_processes
+    return {
+        "trainer": cli.trainer,
         "shape": cli.shape,
         "precision": cli.precision,
+        "seed": cli.seed,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-        "episodes_per_second": round(batch * (len(steady)) / seconds, 2),
-        "seconds_per_update": round(seconds / len(steady), 3),
-        "peak_memory_gib": round(
-            (torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-            / 2**30,
-            2,
-        ),
-        "peak_memory_kind": "cuda_max_allocated" if on_gpu else "max_rss",
-        "processes": trainer.accelerator.num_processes,
-        "deepspeed_zero_stage": deepspeed_zero_stage(trainer.accelerator),
+        "episodes_per_second": round(batch * world * len(steady) / seconds, 3),
+        "seconds_per_update": round(seconds / len(steady), 4),
+        "warmup_seconds": round(log.times[1] - log.times[0], 2),
+        "peak_memory_gib": round(peak / 2**30, 3),
+        "peak_memory_kind": peak_kind,
+        "scores": [round(s, 5) for s in log.scores],
+        "processes": world,
+        "deepspeed_zero_stage": deepspeed_zero_stage(trainer.accelerator) if cli.trainer == "trl_ppo" else None,
+        "trl_ppo_flags": cli.trl_ppo_flags if cli.trainer == "trl_ppo" else "",
         "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
     }
-    if trainer.accelerator.is_main_process:
-        json.dump(result, sys.stdout)
-        print()
+
+
+# --------------------------------------------------------------------------------------------- orchestration
+def run_worker(cli, trainer: str, shape: str, precision: str, seed: int, updates: int) -> dict | None:
+    """One measurement in a fresh subprocess; -> its row, or None (with its output shown) when it failed."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "--shape", shape]
+    command += ["--precision", precision, "--seed", str(seed), "--updates", str(updates)]
+    command += ["--learning_rate", str(cli.learning_rate), "--output_dir", cli.output_dir]
+    command += ["--per_device_train_batch_size", str(cli.per_device_train_batch_size)]
+    command += ["--gradient_accumulation_steps", str(cli.gradient_accumulation_steps)]
+    command += ["--trl_ppo_flags", cli.trl_ppo_flags]
+    done = subprocess.run(command, capture_output=True, text=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not rows:
+        print(f"[{trainer} {shape} {precision} seed {seed}] failed (exit {done.returncode}):", file=sys.stderr)
+        print((done.stdout + done.stderr)[-4000:], file=sys.stderr)
+        return None
+    row = json.loads(rows[-1])
+    print(json.dumps({k: v for k, v in row.items() if k != "scores"}), file=sys.stderr, flush=True)
+    return row
+
+
+def trl_available() -> bool:
+    try:
+        import trl
+    except ImportError:
+        return False
+    return trl.__version__ == "1.12.0"
+
+
+def speed_table(rows: list[dict]) -> str:
+    """Markdown table: per shape x precision, each trainer's median episodes/s and peak memory, and the ratios."""
+    lines = [
+        "| shape | precision | trl_ppo episodes/s | TRL episodes/s | speed-up | trl_ppo peak GiB | TRL peak GiB | memory ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for shape, precision in dict.fromkeys((r["shape"], r["precision"]) for r in rows):
+        cell = {}
+        for trainer in TRAINERS:
+            mine = [r for r in rows if (r["shape"], r["precision"], r["trainer"]) == (shape, precision, trainer)]
+            if mine:
+                eps = sorted(r["episodes_per_second"] for r in mine)[len(mine) // 2]
+                cell[trainer] = (eps, max(r["peak_memory_gib"] for r in mine))
+        ours, theirs = cell.get("trl_ppo"), cell.get("trl")
+        speedup = f"{ours[0] / theirs[0]:.2f}x" if ours and theirs else "-"
+        memory = f"{ours[1] / theirs[1]:.2f}x" if ours and theirs else "-"
+        show = lambda c, i: f"{c[i]:.2f}" if c else "-"  # noqa: E731
+        lines.append(
+            f"| {shape} | {precision} | {show(ours, 0)} | {show(theirs, 0)} | {speedup} | "
+            f"{show(ours, 1)} | {show(theirs, 1)} | {memory} |"
+        )
+    return "\n".join(lines)
+
+
+def score_gain(scores: list[float]) -> float:
+    """Mean `objective/scores` of the last 3 updates minus that of the first (sampled before any learning)."""
+    return sum(scores[-3:]) / len(scores[-3:]) - scores[0]
+
+
+def parity_table(rows: list[dict]) -> str:
+    lines = ["| trainer | seeds | score gain per seed | mean gain |", "|---|---|---|---|"]
+    for trainer in TRAINERS:
+        mine = [r for r in rows if r["trainer"] == trainer]
+        if mine:
+            gains = [score_gain(r["scores"]) for r in mine]
+            seeds = ", ".join(str(r["seed"]) for r in mine)
+            per_seed = ", ".join(f"{g:+.4f}" for g in gains)
+            lines.append(f"| {trainer} | {seeds} | {per_seed} | {sum(gains) / len(gains):+.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["tiny"])
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32"])
+    parser.add_argument("--trainers", default="trl_ppo,trl", help="Comma-separated: trl_ppo, trl.")
+    parser.add_argument("--repeats", type=int, default=1, help="Alternated measurements per trainer and config.")
+    parser.add_argument("--updates", type=int, default=None, help="Measured updates after the warm-up one.")
+    parser.add_argument("--parity", action="store_true", help="Learning parity: 20 updates per seed, score gains.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds of --parity.")
+    parser.add_argument("--learning_rate", type=float, default=None, help="Default 3e-6; 1e-4 with --parity.")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=16)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=4)
+    parser.add_argument(
+        "--trl_ppo_flags", default="", help='Extra trl_ppo PPOConfig fields, e.g. "micro_batches_per_forward=4".'
+    )
+    parser.add_argument("--results", default=os.path.join(HERE, "results.jsonl"), help="JSON lines appended here.")
+    parser.add_argument("--output_dir", default="/tmp/trl_ppo_bench")
+    parser.add_argument("--ddp_backend", default=None, help="e.g. gloo for DeepSpeed on CPU (in-process runs).")
+    parser.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    cli = parser.parse_args()
+    if cli.learning_rate is None:
+        cli.learning_rate = 1e-4 if cli.parity else 3e-6
+    if cli.updates is None:
+        cli.updates = 19 if cli.parity else 4
+    trainers = [t.strip() for t in cli.trainers.split(",") if t.strip()]
+    unknown = set(trainers) - set(TRAINERS)
+    if unknown:
+        parser.error(f"unknown trainers {sorted(unknown)}; choose from {TRAINERS}")
+    if "trl" in trainers and not trl_available():
+        parser.error("TRL 1.12.0 is not installed: `pip install -e '.[bench]'`, or pass --trainers trl_ppo")
+
+    if cli.worker or "WORLD_SIZE" in os.environ:  # one measurement in this process (also under accelerate launch)
+        cli.trainer, cli.shape, cli.precision = cli.worker or "trl_ppo", cli.shape[0], cli.precision[0]
+        row = measure(cli)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(row), flush=True)
+        return
+
+    rows = []
+    seeds = cli.seeds if cli.parity else [0]
+    for shape in cli.shape:
+        for precision in cli.precision:
+            for repeat in range(cli.repeats):
+                for seed in seeds:
+                    order = trainers if repeat % 2 == 0 else trainers[::-1]
+                    for trainer in order:
+                        row = run_worker(cli, trainer, shape, precision, seed, cli.updates)
+                        if row:
+                            row["parity"] = cli.parity
+                            rows.append(row)
+    with open(cli.results, "a") as results:
+        for row in rows:
+            results.write(json.dumps(row) + "\n")
+    print(f"\n{len(rows)} runs appended to {cli.results}")
+    print(parity_table(rows) if cli.parity else speed_table(rows))
+    if len(rows) < len(trainers) * len(cli.shape) * len(cli.precision) * len(seeds) * cli.repeats:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,26 @@ class OnPolicyConfig(TrainingArguments):
         default=64,
         metadata={"help": "Per-process chunk size for sampling and for the no-grad forward passes of a rollout."},
     )
+    train_forward_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Episodes per forward/backward pass in the PPO update: a multiple of "
+            "`per_device_train_batch_size` that divides the minibatch. The loss stays the mean over micro-batches of "
+            "each micro-batch's loss, so the update is the same as with one micro-batch per pass; larger passes "
+            "are faster where memory allows (on a GPU, often the whole minibatch). Default: "
+            "`per_device_train_batch_size`."
+        },
+    )
+    generation_backend: Literal["auto", "kv_cache", "compiled", "generate"] = field(
+        default="auto",
+        metadata={
+            "help": "How responses are sampled. 'kv_cache': a plain sampling loop over the model's KV cache (any "
+            "device). 'compiled': transformers' `generate` with a static KV cache, the decoding step compiled with "
+            "CUDA graphs (on CUDA; the first rollouts pay the compilation). 'generate': `generate` with its "
+            "defaults. 'auto': 'compiled' on a CUDA device without DeepSpeed ZeRO-3 or PEFT, else 'kv_cache'. All "
+            "sample from softmax(logits / temperature)."
+        },
+    )
     num_sample_generations: int = field(
         default=10,
         metadata={
@@ -269,6 +289,22 @@ def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len
         "local_mini_batch_size",
         "per_device_train_batch_size",
     )
+    if args.train_forward_batch_size is None:
+        args.train_forward_batch_size = args.per_device_train_batch_size
+    _exact_div(
+        args.train_forward_batch_size,
+        args.per_device_train_batch_size,
+        "A training forward must hold whole micro-batches",
+        "train_forward_batch_size",
+        "per_device_train_batch_size",
+    )
+    _exact_div(
+        args.local_mini_batch_size,
+        args.train_forward_batch_size,
+        "Cannot split a minibatch into training forwards",
+        "local_mini_batch_size",
+        "train_forward_batch_size",
+    )
     if args.total_episodes < args.batch_size:
         raise ValueError(
             f"`total_episodes` ({args.total_episodes}) is smaller than one batch (`batch_size` = {args.batch_size} = "
@@ -307,6 +343,13 @@ def validate_config(args: OnPolicyConfig) -> None:
     if args.missing_eos_penalty is not None:
         if args.missing_eos_penalty < 0:
             fail(f"`missing_eos_penalty` is subtracted, so it must be >= 0; got {args.missing_eos_penalty}.")
+    if args.generation_backend not in ("auto", "kv_cache", "compiled", "generate"):
+        fail(
+            f"Unknown `generation_backend` {args.generation_backend!r}: use 'auto', 'kv_cache', 'compiled' or "
+            "'generate'."
+        )
+    if args.train_forward_batch_size is not None and args.train_forward_batch_size < 1:
+        fail(f"`train_forward_batch_size` must be at least 1, got {args.train_forward_batch_size}.")
     for name in (
         "num_mini_batches",
         "local_rollout_forward_batch_size",

@@ -1,13 +1,9 @@
 """Rollout: sample responses from the policy and compute what the update needs about them (`RolloutMixin`, the
-trainer's part).
-
-The generation backend is one function with the signature of `sample_responses` (left-padded prompts in,
-response ids out); a faster backend is a new function of that shape, not a new trainer.
+trainer's part). The sampling itself (the generation backends) is in `generation.py`.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +11,8 @@ from torch import nn
 
 from . import distributed as dist
 from . import ppo
-from .distributed import all_processes
-from .models import peft_reference, policy_response_logits, position_ids_from_mask
+from .generation import generation_backend
+from .models import peft_reference, policy_response_logits
 
 
 @dataclass
@@ -51,123 +47,6 @@ class Rollout:
     def select(self, index: torch.Tensor) -> "Rollout":
         """The episodes at `index` (a 1-D index tensor)."""
         return Rollout(**{name: None if value is None else value[index] for name, value in vars(self).items()})
-
-
-@torch.no_grad()
-def sample_responses(
-    model: nn.Module,
-    queries: torch.Tensor,
-    query_mask: torch.Tensor,
-    response_length: int,
-    temperature: float,
-    stop_token_id: int | None,
-    pad_token_id: int,
-    synced_processes: bool = False,
-) -> torch.Tensor:
-    """Sample `response_length` tokens after each left-padded prompt with a KV cache. -> `[B, response_length]`.
-
-    Tokens are drawn from softmax(logits / temperature) over the whole vocabulary (no top-k/top-p), the same
-    distribution the training forward computes. After a row's stop token the row is filled with
-    `pad_token_id`; sampling stops early once every row has stopped, on every process when `synced_processes`
-    (ZeRO-3 with partitioned weights: each forward is a collective, so all processes step together).
-    """
-    batch_size = queries.size(0)
-    attention_mask = query_mask.long()
-    position_ids = position_ids_from_mask(attention_mask)
-    output = model(
-        input_ids=queries, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
-    )
-    next_position = position_ids[:, -1:] + 1
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=queries.device)
-    tokens = []
-    step = 0
-    while True:
-        probs = torch.softmax(output.logits[:, -1, :].float() / temperature, dim=-1)
-        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-        next_tokens = next_tokens.masked_fill(finished, pad_token_id)
-        if step < response_length:
-            tokens.append(next_tokens)
-        if stop_token_id is not None:
-            finished |= next_tokens == stop_token_id
-        step += 1
-        done = step >= response_length or bool(finished.all())
-        if synced_processes:
-            done = all_processes(done, queries.device)
-        if done:
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, 1)], dim=1)
-        output = model(
-            input_ids=next_tokens.unsqueeze(1),
-            attention_mask=attention_mask,
-            position_ids=next_position,
-            past_key_values=output.past_key_values,
-            use_cache=True,
-        )
-        next_position = next_position + 1
-    responses = torch.stack(tokens, dim=1)
-    if responses.size(1) < response_length:
-        padding = responses.new_full((batch_size, response_length - responses.size(1)), pad_token_id)
-        responses = torch.cat([responses, padding], dim=1)
-    return responses
-
-
-@torch.no_grad()
-def generate_with_transformers(
-    model: nn.Module,
-    queries: torch.Tensor,
-    query_mask: torch.Tensor,
-    response_length: int,
-    temperature: float,
-    stop_token_id: int | None,
-    pad_token_id: int,
-    synced_processes: bool = False,
-    **generation_kwargs,
-) -> torch.Tensor:
-    """`sample_responses` through `model.generate`, for sampling options the KV-cache loop does not have
-    (top-k, top-p, repetition penalty, ...). -> `[B, response_length]`, padded after the stop token.
-
-    Note that PPO then computes log-probabilities under the plain softmax(logits / temperature), not under the
-    modified distribution that these options sample from."""
-    generation_kwargs.setdefault("do_sample", True)
-    output = model.generate(
-        input_ids=queries,
-        attention_mask=query_mask.long(),
-        max_new_tokens=response_length,
-        min_new_tokens=0,
-        temperature=temperature,
-        eos_token_id=stop_token_id,
-        pad_token_id=pad_token_id,
-        synced_gpus=synced_processes,
-        **generation_kwargs,
-    )
-    responses = ppo.truncate_after_stop_token(output[:, queries.size(1) :], stop_token_id, pad_token_id)
-    padding = responses.new_full((responses.size(0), response_length - responses.size(1)), pad_token_id)
-    return torch.cat([responses, padding], dim=1)
-
-
-# generate() keyword arguments that plain sampling from softmax(logits / temperature) already satisfies.
-_PLAIN_SAMPLING = {"do_sample": (True,), "top_k": (0, None), "top_p": (1.0, None), "min_length": (-1, 0, None)}
-
-
-def generation_backend(generation_kwargs: dict, response_length: int, temperature: float, stop_token_id):
-    """-> (sampling function, its keyword arguments) for `generate()`-style kwargs.
-
-    `max_new_tokens`, `temperature` and `eos_token_id` (the stop token) override the run's settings; options
-    that plain sampling already means (`do_sample=True`, `top_k=0`, `top_p=1.0`, `min_length=-1`, `pad_token_id`)
-    are dropped; with any other option the sampling goes through `transformers`' `generate`."""
-    kwargs = dict(generation_kwargs)
-    settings = {
-        "response_length": kwargs.pop("max_new_tokens", response_length),
-        "temperature": kwargs.pop("temperature", temperature),
-        "stop_token_id": kwargs.pop("eos_token_id", stop_token_id),
-    }
-    kwargs.pop("pad_token_id", None)  # always the tokenizer's: the masks are built from it
-    for name, no_op_values in _PLAIN_SAMPLING.items():
-        if name in kwargs and kwargs[name] in no_op_values:
-            kwargs.pop(name)
-    if kwargs:
-        return functools.partial(generate_with_transformers, **kwargs), settings
-    return sample_responses, settings
 
 
 def chunks(batch_size: int, chunk_size: int):
@@ -241,10 +120,10 @@ class RolloutMixin:
     def _sample(self, queries: torch.Tensor, query_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:
         """Responses `[B, T]` to left-padded prompts, padded after the stop token. `generation_kwargs` can change
         `max_new_tokens` and `temperature` (and the `eos_token_id` that stops a response); others (top_k, ...)
-        select `transformers`' `generate` as the backend (see `rollout.generation_backend`)."""
+        select `transformers`' `generate` as the backend (see `generation.generation_backend`)."""
         args = self.args
         sample, settings = generation_backend(
-            generation_kwargs, args.response_length, args.temperature, self.stop_token_id
+            self.sampling_backend, generation_kwargs, args.response_length, args.temperature, self.stop_token_id
         )
         wrapper = self.accelerator.unwrap_model(self.model)
         gather = args.ds3_gather_for_generation

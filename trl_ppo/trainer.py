@@ -39,6 +39,7 @@ from .config import (
 )
 from .data import LeftPaddingCollator, SharedOrderBatchSampler, fit_prompts, prepare_prompt_dataset
 from .evaluation import EvaluationMixin
+from .generation import resolve_backend
 from .metrics import MetricsSinceLog, update_metrics
 from .models import (
     PolicyAndValueWrapper,
@@ -197,6 +198,12 @@ class PPOTrainer(
             dist.deepspeed_zero_stage(self.accelerator),
             ref_model is not None and bool(shared_parameters(ref_model, model)),
         )
+        self.sampling_backend = resolve_backend(
+            args.generation_backend,
+            self.accelerator.device,
+            dist.deepspeed_zero_stage(self.accelerator),
+            self.is_peft_model,
+        )
         self.rewards, self.reward_model = rewards, reward_model
         self.model_card_dataset: str | None = None  # what the model card calls the prompts (the CLI sets it)
         self.kl_coef = args.kl_coef  # moves under adaptive KL control (`kl_target`)
@@ -208,7 +215,7 @@ class PPOTrainer(
 
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
-        dist.fit_deepspeed_batch_layout(self.accelerator, args.per_device_train_batch_size, args.local_mini_batch_size)
+        dist.fit_deepspeed_batch_layout(self.accelerator, args.train_forward_batch_size, args.local_mini_batch_size)
         self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
         # Not given to `accelerator.prepare`: it would shard the batches a second time (the sampler already gives
         # each process its slice of every global batch); `_prompts_of` moves them to the device.

@@ -12,7 +12,7 @@ from transformers.utils import logging
 
 from . import checkpoint as ckpt
 from . import ppo
-from .rollout import Rollout, masked_response_logprobs
+from .rollout import Rollout, chunks, masked_response_logprobs
 
 logger = logging.get_logger(__name__)
 
@@ -34,14 +34,15 @@ class PPOUpdateMixin:
             order = torch.randperm(args.local_batch_size, device=advantages.device)
             for minibatch in order.split(args.local_mini_batch_size):
                 micro_batches = minibatch.split(args.per_device_train_batch_size)
+                passes = minibatch.split(args.train_forward_batch_size)  # whole micro-batches each
                 minibatch_stats = defaultdict(list)
-                for i, micro in enumerate(micro_batches):
-                    with self._accumulating(last=i == len(micro_batches) - 1):
-                        micro_stats = self._ppo_micro_step(
-                            rollout.select(micro), advantages[micro], returns[micro], len(micro_batches)
+                for i, episodes in enumerate(passes):
+                    with self._accumulating(last=i == len(passes) - 1):
+                        pass_stats = self._ppo_forward_backward(
+                            rollout.select(episodes), advantages[episodes], returns[episodes], len(micro_batches)
                         )
-                    for key, value in micro_stats.items():
-                        minibatch_stats[key].append(value)
+                    for key, values in pass_stats.items():
+                        minibatch_stats[key].extend(values)
                 if not self._losses_are_finite(minibatch_stats):
                     self.optimizer.zero_grad()
                     self._skip_nonfinite_update(epoch)
@@ -123,28 +124,44 @@ class PPOUpdateMixin:
             f"({self._skipped_updates} skipped so far)."
         )
 
-    def _ppo_micro_step(self, episodes: Rollout, advantages, returns, num_micro_batches: int) -> dict:
+    def _ppo_forward_backward(self, episodes: Rollout, advantages, returns, num_micro_batches: int) -> dict:
+        """One forward/backward over whole micro-batches of a minibatch (`train_forward_batch_size` episodes).
+
+        The loss is computed per micro-batch (masked means over that micro-batch's tokens) and summed, so the
+        gradient equals that of one pass per micro-batch. -> per-micro-batch stats, each a list of scalars."""
         args = self.args
         with self.accelerator.autocast():
             logits, new_values = self.model(
                 episodes.input_ids, episodes.attention_mask, episodes.response_length, args.temperature
             )
         new_logprobs = masked_response_logprobs(logits, episodes)
-        mask = episodes.response_mask
-        pg_loss, pg_stats = ppo.policy_loss(new_logprobs, episodes.logprobs, advantages, mask, args.cliprange)
-        vf_loss, vf_stats = ppo.value_loss(new_values.float(), episodes.values, returns, mask, args.cliprange_value)
-        loss = pg_loss + args.vf_coef * vf_loss
-        if not self.is_deepspeed_enabled:  # DeepSpeed divides by its gradient_accumulation_steps (= this count)
-            loss = loss / num_micro_batches
-        self.accelerator.backward(loss)
+        new_values = new_values.float()
         with torch.no_grad():
-            entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), mask)
-        return {
-            "policy/approxkl_avg": pg_stats["approxkl"],
-            "policy/clipfrac_avg": pg_stats["clipfrac"],
-            "loss/policy_avg": pg_loss.detach(),
-            "loss/value_avg": vf_loss.detach(),
-            "val/clipfrac_avg": vf_stats["clipfrac"],
-            "policy/entropy_avg": entropy,
-            "val/ratio": pg_stats["ratio"],
-        }
+            entropy = ppo.entropy_from_logits(logits)
+        del logits
+        stats, loss = defaultdict(list), 0.0
+        for part in chunks(episodes.queries.size(0), args.per_device_train_batch_size):
+            mask = episodes.response_mask[part]
+            pg_loss, pg_stats = ppo.policy_loss(
+                new_logprobs[part], episodes.logprobs[part], advantages[part], mask, args.cliprange
+            )
+            vf_loss, vf_stats = ppo.value_loss(
+                new_values[part], episodes.values[part], returns[part], mask, args.cliprange_value
+            )
+            loss = loss + pg_loss + args.vf_coef * vf_loss
+            for key, value in (
+                ("policy/approxkl_avg", pg_stats["approxkl"]),
+                ("policy/clipfrac_avg", pg_stats["clipfrac"]),
+                ("loss/policy_avg", pg_loss.detach()),
+                ("loss/value_avg", vf_loss.detach()),
+                ("val/clipfrac_avg", vf_stats["clipfrac"]),
+                ("policy/entropy_avg", ppo.masked_mean(entropy[part], mask)),
+                ("val/ratio", pg_stats["ratio"]),
+            ):
+                stats[key].append(value)
+        # Mean over the minibatch's micro-batches. DeepSpeed divides by its gradient_accumulation_steps itself,
+        # which is the number of passes per minibatch (`fit_deepspeed_batch_layout`).
+        micro_batches_here = len(stats["loss/policy_avg"])
+        divisor = micro_batches_here if self.is_deepspeed_enabled else num_micro_batches
+        self.accelerator.backward(loss / divisor)
+        return stats
