@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ------------------------------------------------------------------------------------------ one measurement
-def build_models(shape: str, tokenizer, seed: int):
+def build_models(shape: str, tokenizer, seed: int, reward_scale: float = 1.0):
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
@@ -64,6 +64,8 @@ def build_models(shape: str, tokenizer, seed: int):
         policy = GPTNeoXForCausalLM(config)
         value_model = GPTNeoXForSequenceClassification(config)
         reward_model = GPTNeoXForSequenceClassification(config)
+    with torch.no_grad():  # still a random model; larger scores make 20 updates enough to see learning
+        reward_model.score.weight.mul_(reward_scale)
     return policy, value_model, reward_model
 
 
@@ -120,7 +122,7 @@ def measure(cli) -> dict:
 
     on_gpu = torch.cuda.is_available()
     tokenizer = build_word_tokenizer()
-    policy, value_model, reward_model = build_models(cli.shape, tokenizer, cli.seed)
+    policy, value_model, reward_model = build_models(cli.shape, tokenizer, cli.seed, cli.reward_scale)
     batch = cli.per_device_train_batch_size * cli.gradient_accumulation_steps
     common = dict(
         output_dir=os.path.join(cli.output_dir, cli.trainer),
@@ -137,10 +139,11 @@ def measure(cli) -> dict:
         report_to="none",
         logging_steps=1,
         bf16=cli.precision == "bf16",
+        tf32=True if cli.tf32 else None,
         use_cpu=not on_gpu,
         disable_tqdm=True,
     )
-    dataset = random_prompts(SHAPES[cli.shape][3], batch * 4, seed=cli.seed)
+    dataset = random_prompts(SHAPES[cli.shape][3], cli.prompts or batch * 4, seed=cli.seed)
     log = UpdateLog()
     if cli.trainer == "trl":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -179,7 +182,7 @@ def measure(cli) -> dict:
     return {
         "trainer": cli.trainer,
         "shape": cli.shape,
-        "precision": cli.precision,
+        "precision": cli.precision + ("+tf32" if cli.tf32 else ""),
         "seed": cli.seed,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "episodes_per_second": round(batch * world * len(steady) / seconds, 3),
@@ -202,9 +205,10 @@ def run_worker(cli, trainer: str, shape: str, precision: str, seed: int, updates
     command = [sys.executable, os.path.abspath(__file__), "--worker", trainer, "--shape", shape]
     command += ["--precision", precision, "--seed", str(seed), "--updates", str(updates)]
     command += ["--learning_rate", str(cli.learning_rate), "--output_dir", cli.output_dir]
+    command += ["--reward_scale", str(cli.reward_scale)] + (["--prompts", str(cli.prompts)] if cli.prompts else [])
     command += ["--per_device_train_batch_size", str(cli.per_device_train_batch_size)]
     command += ["--gradient_accumulation_steps", str(cli.gradient_accumulation_steps)]
-    command += ["--trl_ppo_flags", cli.trl_ppo_flags]
+    command += ["--trl_ppo_flags", cli.trl_ppo_flags] + (["--tf32"] if cli.tf32 else [])
     done = subprocess.run(command, capture_output=True, text=True)
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
@@ -227,10 +231,11 @@ def trl_available() -> bool:
 def speed_table(rows: list[dict]) -> str:
     """Markdown table: per shape x precision, each trainer's median episodes/s and peak memory, and the ratios."""
     lines = [
-        "| shape | precision | trl_ppo episodes/s | TRL episodes/s | speed-up | trl_ppo peak GiB | TRL peak GiB | memory ratio |",
+        "| shape | precision | trl_ppo episodes/s | TRL episodes/s | speed-up "
+        "| trl_ppo peak GiB | TRL peak GiB | memory ratio |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for shape, precision in dict.fromkeys((r["shape"], r["precision"]) for r in rows):
+    for shape, precision in dict.fromkeys((r["shape"], r["precision"]) for r in rows):  # precision may be fp32+tf32
         cell = {}
         for trainer in TRAINERS:
             mine = [r for r in rows if (r["shape"], r["precision"], r["trainer"]) == (shape, precision, trainer)]
@@ -248,9 +253,10 @@ def speed_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def score_gain(scores: list[float]) -> float:
-    """Mean `objective/scores` of the last 3 updates minus that of the first (sampled before any learning)."""
-    return sum(scores[-3:]) / len(scores[-3:]) - scores[0]
+def score_gain(scores: list[float], window: int = 5) -> float:
+    """Mean `objective/scores` of the last `window` updates minus that of the first `window`."""
+    window = min(window, len(scores) // 2) or 1
+    return sum(scores[-window:]) / window - sum(scores[:window]) / window
 
 
 def parity_table(rows: list[dict]) -> str:
@@ -272,9 +278,28 @@ def main() -> None:
     parser.add_argument("--trainers", default="trl_ppo,trl", help="Comma-separated: trl_ppo, trl.")
     parser.add_argument("--repeats", type=int, default=1, help="Alternated measurements per trainer and config.")
     parser.add_argument("--updates", type=int, default=None, help="Measured updates after the warm-up one.")
-    parser.add_argument("--parity", action="store_true", help="Learning parity: 20 updates per seed, score gains.")
+    parser.add_argument(
+        "--parity",
+        action="store_true",
+        help="Learning parity: 20 updates per seed on one batch of prompts against a random reward model with larger "
+        "scores, learning rate 1e-3; reports each trainer's score gain (last 5 updates minus first 5).",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds of --parity.")
-    parser.add_argument("--learning_rate", type=float, default=None, help="Default 3e-6; 1e-4 with --parity.")
+    parser.add_argument("--learning_rate", type=float, default=None, help="Default 3e-6; 1e-3 with --parity.")
+    parser.add_argument(
+        "--reward_scale",
+        type=float,
+        default=None,
+        help="Multiplies the random reward head (default 1; 50 with --parity).",
+    )
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="Distinct prompts (default 4 batches; with --parity one batch, so "
+        "every update scores the same prompts and the gain is not drowned by prompt-to-prompt differences).",
+    )
+    parser.add_argument("--tf32", action="store_true", help="TF32 matrix products for both trainers (CUDA).")
     parser.add_argument("--per_device_train_batch_size", type=int, default=16)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=4)
     parser.add_argument(
@@ -287,7 +312,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.learning_rate is None:
-        cli.learning_rate = 1e-4 if cli.parity else 3e-6
+        cli.learning_rate = 1e-3 if cli.parity else 3e-6
+    if cli.prompts is None and cli.parity:
+        cli.prompts = cli.per_device_train_batch_size * cli.gradient_accumulation_steps
+    if cli.reward_scale is None:
+        cli.reward_scale = 50.0 if cli.parity else 1.0
     if cli.updates is None:
         cli.updates = 19 if cli.parity else 4
     trainers = [t.strip() for t in cli.trainers.split(",") if t.strip()]

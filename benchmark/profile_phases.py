@@ -3,6 +3,7 @@ advantages, the PPO update), averaged over all updates including the warm-up. Fo
 notes in benchmark/NOTES.md.
 
     python benchmark/profile_phases.py --shape 160m --precision bf16 --trl_ppo_flags "train_forward_batch_size=64"
+    PROFILE_UPDATE=3 python benchmark/profile_phases.py ...   # also: torch.profiler's top kernels of update 3
 """
 
 import collections
@@ -19,7 +20,20 @@ import bench_ppo  # noqa: E402
 from trl_ppo import PPOTrainer  # noqa: E402
 
 PHASES = ("_sample", "add_logprobs_and_values", "score", "compute_advantages", "ppo_update", "_end_update")
+PROFILE_UPDATE = int(os.environ.get("PROFILE_UPDATE", "0"))  # 0: no torch.profiler
 seconds = collections.defaultdict(list)
+profiler = None
+
+
+def profile_boundaries(name: str) -> None:
+    """Start torch.profiler when update PROFILE_UPDATE starts sampling, print its table when its update ends."""
+    global profiler
+    if name == "_sample" and len(seconds["_sample"]) == PROFILE_UPDATE - 1:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.__enter__()
 
 
 def timed(name: str) -> None:
@@ -27,11 +41,19 @@ def timed(name: str) -> None:
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
+        if PROFILE_UPDATE:
+            profile_boundaries(name)
         start = time.perf_counter()
         result = method(*args, **kwargs)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds[name].append(time.perf_counter() - start)
+        global profiler
+        if profiler is not None and name == "ppo_update":
+            profiler.__exit__(None, None, None)
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            print(profiler.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
+            profiler = None
         return result
 
     setattr(PPOTrainer, name, wrapper)

@@ -25,9 +25,6 @@ from . import ppo
 from .distributed import all_processes
 from .models import position_ids_from_mask
 
-BACKENDS = ("auto", "kv_cache", "compiled", "generate")
-
-
 @torch.no_grad()
 def sample_responses(
     model: nn.Module,
@@ -136,8 +133,9 @@ _STATIC_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model
 def _reusable_static_cache(model: nn.Module, batch_size: int, length: int, device: torch.device):
     """A `StaticCache` for `model`, emptied, reused by every call with the same batch size, length bucket and
     autocast dtype, so the compiled decoding step keeps reading the same tensors (a new cache would mean a new
-    CUDA graph). Its tensors are created at the first forward, in the dtype of the keys (bf16 under autocast).
-    None where this version of transformers has no such `StaticCache` (then `generate` makes its own)."""
+    CUDA graph); one cache per shape stays allocated with the model. Its tensors are created at the first forward,
+    keys and values each in their own dtype (`_keep_value_dtype`). None where this version of transformers has no
+    such `StaticCache` (then `generate` makes its own)."""
     try:
         from transformers import StaticCache
     except ImportError:  # pragma: no cover
@@ -192,9 +190,7 @@ def resolve_backend(name: str, device: torch.device, deepspeed_stage: int | None
     return "kv_cache"
 
 
-def generation_backend(
-    backend: str, generation_kwargs: dict, response_length: int, temperature: float, stop_token_id
-):
+def generation_backend(backend: str, generation_kwargs: dict, response_length: int, temperature: float, stop_token_id):
     """-> (sampling function, its keyword arguments) for a resolved `backend` name and `generate()`-style kwargs.
 
     `max_new_tokens`, `temperature` and `eos_token_id` (the stop token) override the run's settings; options
