@@ -11,7 +11,7 @@ built from config (policy; value and reward models of the same shape; the refere
 policy), batch 64 = 16 x 4 accumulation, 4 PPO epochs, `response_length` 53, no stop token, prompts of 32-64
 random tokens. Both trainers get the same models (same seed), tokenizer, prompts and PPO hyper-parameters, each
 with its own defaults otherwise (TRL's default turns gradient checkpointing on; `--trl_ppo_flags` adds
-trl_ppo options such as `micro_batches_per_forward`). TRL's bf16 is switched on the way its own docs say,
+trl_ppo options such as `train_forward_batch_size`). TRL's bf16 is switched on the way its own docs say,
 through `ACCELERATE_MIXED_PRECISION=bf16`.
 
 Each measurement runs in its own subprocess (so peak memory, CUDA peak allocated or CPU max RSS, is that
@@ -303,7 +303,7 @@ def main() -> None:
     parser.add_argument("--per_device_train_batch_size", type=int, default=16)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=4)
     parser.add_argument(
-        "--trl_ppo_flags", default="", help='Extra trl_ppo PPOConfig fields, e.g. "micro_batches_per_forward=4".'
+        "--trl_ppo_flags", default="", help='Extra trl_ppo PPOConfig fields, e.g. "train_forward_batch_size=64".'
     )
     parser.add_argument("--results", default=os.path.join(HERE, "results.jsonl"), help="JSON lines appended here.")
     parser.add_argument("--output_dir", default="/tmp/trl_ppo_bench")
@@ -323,15 +323,14 @@ def main() -> None:
     unknown = set(trainers) - set(TRAINERS)
     if unknown:
         parser.error(f"unknown trainers {sorted(unknown)}; choose from {TRAINERS}")
-    if "trl" in trainers and not trl_available():
-        parser.error("TRL 1.12.0 is not installed: `pip install -e '.[bench]'`, or pass --trainers trl_ppo")
-
-    if cli.worker or "WORLD_SIZE" in os.environ:  # one measurement in this process (also under accelerate launch)
+    if cli.worker or "WORLD_SIZE" in os.environ:  # one measurement in this process; under accelerate launch, trl_ppo
         cli.trainer, cli.shape, cli.precision = cli.worker or "trl_ppo", cli.shape[0], cli.precision[0]
         row = measure(cli)
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps(row), flush=True)
         return
+    if "trl" in trainers and not trl_available():
+        parser.error("TRL 1.12.0 is not installed: `pip install -e '.[bench]'`, or pass --trainers trl_ppo")
 
     rows = []
     seeds = cli.seeds if cli.parity else [0]

@@ -139,6 +139,20 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, extensions
     assert max_difference(two_weights, one_weights, "value_model.") < 1e-6
 
 
+def test_zero2_with_several_micro_batches_per_pass_gives_the_same_update(tmp_path, extensions_dir):
+    # Under DeepSpeed the loss of a pass is divided by DeepSpeed itself (its gradient_accumulation_steps = passes
+    # per minibatch): 2 micro-batches of 4 in one pass must step exactly like 2 passes. SGD without clipping keeps
+    # the scale visible; the sampling is the same in both runs (same seeds, same layout of processes).
+    flags = ["--optim", "sgd", "--learning_rate", "0.05", "--max_grad_norm", "0", "--num_ppo_epochs", "1"]
+    flags += ["--total_episodes", "16"]
+    launch("zero2", tmp_path / "split", *flags, extensions_dir=extensions_dir)
+    launch("zero2", tmp_path / "merged", *flags, "--train_forward_batch_size", "8", extensions_dir=extensions_dir)
+    split, merged = weights(tmp_path / "split"), weights(tmp_path / "merged")
+    for prefix in ("policy.", "value_model."):
+        assert max_difference(split, initial_weights(tmp_path / "split"), prefix) > 1e-4  # it learned
+        assert max_difference(split, merged, prefix) < 1e-6, prefix
+
+
 def check_saved_model(folder: Path, final: dict, prefix: str = "policy.") -> None:
     """`save_model` wrote a normal Hugging Face folder holding the full trained policy."""
     from transformers import AutoModelForCausalLM

@@ -9,7 +9,8 @@ from trl_ppo.generation import resolve_backend
 
 
 def _train_one_update(make_config, tokenizer, load_models, prompt_dataset, **overrides):
-    config = make_config(total_episodes=8, optim="sgd", learning_rate=0.5, **overrides)  # SGD: any loss scale shows
+    # SGD without clipping: any error in the loss scale shows in the weights.
+    config = make_config(total_episodes=8, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, **overrides)
     trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
     trainer.train()
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
