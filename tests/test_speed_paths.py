@@ -1,11 +1,16 @@
 """The speed options give the same algorithm: several micro-batches per training forward, the generation backends,
 and frozen models stored in bf16 under bf16 mixed precision."""
 
+from functools import partial
+
 import pytest
 import torch
 from conftest import build_trainer
 
+from trl_ppo import generation
 from trl_ppo.generation import resolve_backend
+
+real_compiled_loop = generation.sample_responses_compiled
 
 
 def _train_one_update(make_config, tokenizer, load_models, prompt_dataset, **overrides):
@@ -51,15 +56,20 @@ def _sample(trainer, seed: int = 0) -> torch.Tensor:
     return trainer._sample(queries, query_mask)
 
 
-@pytest.mark.parametrize("backend", ["compiled", "generate"])
-def test_generation_backends_draw_the_same_tokens(backend, make_config, tokenizer, load_models, prompt_dataset):
+@pytest.mark.parametrize("backend", ["compiled", "compiled_loop", "generate"])
+def test_generation_backends_draw_the_same_tokens(
+    backend, make_config, tokenizer, load_models, prompt_dataset, monkeypatch
+):
     """All backends sample softmax(logits / temperature) with the same random draws, so under one seed they
-    return the same responses (on the CPU 'compiled' runs transformers' static cache without compilation)."""
+    return the same responses (on the CPU the static-cache backends run without CUDA graphs)."""
     reference = _sample(build_trainer(make_config(response_length=12), tokenizer, load_models, prompt_dataset))
     trainer = build_trainer(
         make_config(response_length=12, generation_backend=backend), tokenizer, load_models, prompt_dataset
     )
     assert trainer.sampling_backend == backend
+    if backend == "compiled_loop":  # Inductor on the CPU takes a minute: the test runs the step uncompiled
+        trainer.sampling_backend = "compiled_loop"
+        monkeypatch.setattr(generation, "sample_responses_compiled", partial(real_compiled_loop, compile=False))
     first, second = _sample(trainer), _sample(trainer)  # the second call reuses the static cache
     assert torch.equal(first, reference) and torch.equal(second, reference)
     assert not torch.equal(_sample(trainer, seed=1), reference)

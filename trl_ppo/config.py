@@ -58,14 +58,15 @@ class OnPolicyConfig(TrainingArguments):
             "`per_device_train_batch_size`."
         },
     )
-    generation_backend: Literal["auto", "kv_cache", "compiled", "generate"] = field(
+    generation_backend: Literal["auto", "kv_cache", "compiled", "compiled_loop", "generate"] = field(
         default="auto",
         metadata={
             "help": "How responses are sampled. 'kv_cache': a plain sampling loop over the model's KV cache (any "
             "device). 'compiled': transformers' `generate` with a static KV cache, the decoding step compiled with "
-            "CUDA graphs (on CUDA; the first rollouts pay the compilation). 'generate': `generate` with its "
-            "defaults. 'auto': 'compiled' on a CUDA device without DeepSpeed ZeRO-3 or PEFT, else 'kv_cache'. All "
-            "sample from softmax(logits / temperature)."
+            "CUDA graphs (on CUDA; the first rollouts pay the compilation). 'compiled_loop' (experimental): the same "
+            "static cache and compiled step driven by trl_ppo's own loop instead of `generate`. 'generate': "
+            "`generate` with its defaults. 'auto': 'compiled' on a CUDA device without DeepSpeed ZeRO-3 or PEFT, "
+            "else 'kv_cache'. All sample from softmax(logits / temperature)."
         },
     )
     num_sample_generations: int = field(
@@ -343,10 +344,10 @@ def validate_config(args: OnPolicyConfig) -> None:
     if args.missing_eos_penalty is not None:
         if args.missing_eos_penalty < 0:
             fail(f"`missing_eos_penalty` is subtracted, so it must be >= 0; got {args.missing_eos_penalty}.")
-    if args.generation_backend not in ("auto", "kv_cache", "compiled", "generate"):
+    if args.generation_backend not in ("auto", "kv_cache", "compiled", "compiled_loop", "generate"):
         fail(
-            f"Unknown `generation_backend` {args.generation_backend!r}: use 'auto', 'kv_cache', 'compiled' or "
-            "'generate'."
+            f"Unknown `generation_backend` {args.generation_backend!r}: use 'auto', 'kv_cache', 'compiled', "
+            "'compiled_loop' or 'generate'."
         )
     if args.train_forward_batch_size is not None and args.train_forward_batch_size < 1:
         fail(f"`train_forward_batch_size` must be at least 1, got {args.train_forward_batch_size}.")

@@ -25,6 +25,7 @@ from . import ppo
 from .distributed import all_processes
 from .models import position_ids_from_mask
 
+
 @torch.no_grad()
 def sample_responses(
     model: nn.Module,
@@ -43,40 +44,119 @@ def sample_responses(
     `pad_token_id`; sampling stops early once every row has stopped, on every process when `synced_processes`
     (ZeRO-3 with partitioned weights: each forward is a collective, so all processes step together).
     """
-    batch_size = queries.size(0)
     attention_mask = query_mask.long()
     position_ids = position_ids_from_mask(attention_mask)
     output = model(
         input_ids=queries, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
     )
-    next_position = position_ids[:, -1:] + 1
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=queries.device)
-    tokens = []
-    step = 0
-    while True:
-        probs = torch.softmax(output.logits[:, -1, :].float() / temperature, dim=-1)
-        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-        next_tokens = next_tokens.masked_fill(finished, pad_token_id)
-        if step < response_length:
-            tokens.append(next_tokens)
-        if stop_token_id is not None:
-            finished |= next_tokens == stop_token_id
-        step += 1
-        done = step >= response_length or bool(finished.all())
-        if synced_processes:
-            done = all_processes(done, queries.device)
-        if done:
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch_size, 1)], dim=1)
+    past = output.past_key_values
+
+    def step(next_tokens: torch.Tensor, positions: torch.Tensor, done: int) -> torch.Tensor:
+        nonlocal attention_mask, past
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.size(0), 1)], dim=1)
         output = model(
             input_ids=next_tokens.unsqueeze(1),
             attention_mask=attention_mask,
-            position_ids=next_position,
-            past_key_values=output.past_key_values,
+            position_ids=positions,
+            past_key_values=past,
             use_cache=True,
         )
-        next_position = next_position + 1
-    responses = torch.stack(tokens, dim=1)
+        past = output.past_key_values
+        return output.logits[:, -1, :]
+
+    return _sampling_loop(
+        output.logits[:, -1, :],
+        step,
+        position_ids[:, -1:] + 1,
+        response_length,
+        temperature,
+        stop_token_id,
+        pad_token_id,
+        synced_processes,
+    )
+
+
+@torch.no_grad()
+def sample_responses_compiled(
+    model: nn.Module,
+    queries: torch.Tensor,
+    query_mask: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    stop_token_id: int | None,
+    pad_token_id: int,
+    synced_processes: bool = False,
+    compile: bool = True,
+) -> torch.Tensor:
+    """`sample_responses` over a preallocated static KV cache, each decoding step one call of the model compiled by
+    transformers' `get_compiled_call` (CUDA graphs on a GPU), without `generate`'s per-token Python.
+
+    Every shape is fixed: the attention mask spans the whole cache (`[B, cache length]`, filled in place as tokens
+    are drawn). Falls back to `sample_responses` under `synced_processes` or without a `StaticCache`."""
+    batch_size, prompt_length = queries.shape
+    cache = _reusable_static_cache(model, batch_size, prompt_length + response_length, queries.device)
+    if cache is None or synced_processes:
+        return sample_responses(
+            model, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id, synced_processes
+        )
+    attention_mask = query_mask.new_zeros(batch_size, _cache_length(prompt_length + response_length), dtype=torch.long)
+    attention_mask[:, :prompt_length] = query_mask
+    position_ids = position_ids_from_mask(query_mask)
+    output = model(
+        input_ids=queries,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    decode = model.get_compiled_call(None) if compile and hasattr(model, "get_compiled_call") else model
+
+    def step(next_tokens: torch.Tensor, positions: torch.Tensor, done: int) -> torch.Tensor:
+        attention_mask[:, prompt_length + done - 1] = 1  # the token drawn last, now in the cache
+        output = decode(
+            input_ids=next_tokens.unsqueeze(1),
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return output.logits[:, -1, :]
+
+    return _sampling_loop(
+        output.logits[:, -1, :],
+        step,
+        position_ids[:, -1:] + 1,
+        response_length,
+        temperature,
+        stop_token_id,
+        pad_token_id,
+        False,
+    )
+
+
+def _sampling_loop(
+    logits, step, positions, response_length, temperature, stop_token_id, pad_token_id, synced_processes
+) -> torch.Tensor:
+    """Draw tokens from softmax(`logits` / temperature) `[B, V]`, then from the logits that `step(tokens,
+    positions, drawn so far)` returns for them, until `response_length` tokens or every row stopped."""
+    batch_size = logits.size(0)
+    finished = torch.zeros(batch_size, dtype=torch.bool, device=logits.device)
+    tokens = []
+    while True:
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1).masked_fill(finished, pad_token_id)
+        tokens.append(next_tokens)
+        if stop_token_id is not None:
+            finished |= next_tokens == stop_token_id
+        done = len(tokens) >= response_length or bool(finished.all())
+        if synced_processes:
+            done = all_processes(done, logits.device)
+        if done:
+            break
+        logits = step(next_tokens, positions, len(tokens))
+        positions = positions + 1
+    responses = torch.stack(tokens[:response_length], dim=1)
     if responses.size(1) < response_length:
         padding = responses.new_full((batch_size, response_length - responses.size(1)), pad_token_id)
         responses = torch.cat([responses, padding], dim=1)
@@ -140,7 +220,7 @@ def _reusable_static_cache(model: nn.Module, batch_size: int, length: int, devic
         from transformers import StaticCache
     except ImportError:  # pragma: no cover
         return None
-    length = -(-length // 64) * 64  # few distinct lengths as prompt lengths vary: few compilations
+    length = _cache_length(length)
     autocast = torch.is_autocast_enabled(device.type)
     dtype = torch.get_autocast_dtype(device.type) if autocast else None
     key = (batch_size, length, dtype)
@@ -155,6 +235,11 @@ def _reusable_static_cache(model: nn.Module, batch_size: int, length: int, devic
     cache = caches[key]
     cache.reset()
     return cache
+
+
+def _cache_length(length: int) -> int:
+    """Static caches come in multiples of 64 tokens: few distinct shapes as prompt lengths vary, few compilations."""
+    return -(-length // 64) * 64
 
 
 def _keep_value_dtype(layer) -> None:
@@ -207,7 +292,9 @@ def generation_backend(backend: str, generation_kwargs: dict, response_length: i
     for name, no_op_values in _PLAIN_SAMPLING.items():
         if name in kwargs and kwargs[name] in no_op_values:
             kwargs.pop(name)
-    if backend == "compiled":
+    if backend == "compiled_loop" and not kwargs:
+        return sample_responses_compiled, settings
+    if backend in ("compiled", "compiled_loop"):
         return functools.partial(generate_with_transformers, static_cache=True, **kwargs), settings
     if kwargs or backend == "generate":
         return functools.partial(generate_with_transformers, **kwargs), settings
