@@ -8,6 +8,8 @@ backend is a new function of that shape, not a new trainer. `generation_backend`
 * `generate_with_transformers` ('generate'), and with a static KV cache ('compiled'): transformers' `generate`,
   which compiles its decoding step with CUDA graphs when the cache is static and the model is on a GPU, so the
   per-token cost is a graph replay instead of hundreds of kernel launches from Python.
+* `sample_responses_compiled` ('compiled_loop', experimental): the same static cache and compiled step, driven by
+  the loop of `sample_responses` instead of `generate`'s per-token Python.
 
 All of them sample from softmax(logits / temperature) over the whole vocabulary, the distribution that the PPO
 update computes log-probabilities under, unless `generation_kwargs` ask for more (top-k, ...).
@@ -149,7 +151,8 @@ def _sampling_loop(
         tokens.append(next_tokens)
         if stop_token_id is not None:
             finished |= next_tokens == stop_token_id
-        done = len(tokens) >= response_length or bool(finished.all())
+        # Without a stop token no row finishes early: skip the check, a device-to-host sync per token on a GPU.
+        done = len(tokens) >= response_length or (stop_token_id is not None and bool(finished.all()))
         if synced_processes:
             done = all_processes(done, logits.device)
         if done:
