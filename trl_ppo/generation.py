@@ -142,8 +142,7 @@ def _sampling_loop(
 ) -> torch.Tensor:
     """Draw tokens from softmax(`logits` / temperature) `[B, V]`, then from the logits that `step(tokens,
     positions, drawn so far)` returns for them, until `response_length` tokens or every row stopped."""
-    batch_size = logits.size(0)
-    finished = torch.zeros(batch_size, dtype=torch.bool, device=logits.device)
+    finished = torch.zeros(logits.size(0), dtype=torch.bool, device=logits.device)
     tokens = []
     while True:
         probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -159,11 +158,12 @@ def _sampling_loop(
             break
         logits = step(next_tokens, positions, len(tokens))
         positions = positions + 1
-    responses = torch.stack(tokens[:response_length], dim=1)
-    if responses.size(1) < response_length:
-        padding = responses.new_full((batch_size, response_length - responses.size(1)), pad_token_id)
-        responses = torch.cat([responses, padding], dim=1)
-    return responses
+    return _pad_responses(torch.stack(tokens[:response_length], dim=1), response_length, pad_token_id)
+
+
+def _pad_responses(responses: torch.Tensor, response_length: int, pad_token_id: int) -> torch.Tensor:
+    """Right-pad responses that stopped early `[B, T <= response_length]` to `[B, response_length]`."""
+    return nn.functional.pad(responses, (0, response_length - responses.size(1)), value=pad_token_id)
 
 
 @torch.no_grad()
@@ -206,8 +206,7 @@ def generate_with_transformers(
         **generation_kwargs,
     )
     responses = ppo.truncate_after_stop_token(output[:, queries.size(1) :], stop_token_id, pad_token_id)
-    padding = responses.new_full((responses.size(0), response_length - responses.size(1)), pad_token_id)
-    return torch.cat([responses, padding], dim=1)
+    return _pad_responses(responses, response_length, pad_token_id)
 
 
 _STATIC_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(B, length, dtype): cache}
