@@ -33,6 +33,7 @@ import time
 
 SHAPES = {  # hidden size, layers, heads, vocabulary (the pythia family's, vocabulary padded to 50304)
     "tiny": (64, 2, 4, 512),
+    "tiny-50k": (64, 2, 4, 50304),  # the tiny backbone with the pythia vocabulary: the logits dominate memory
     "160m": (768, 12, 12, 50304),
     "410m": (1024, 24, 16, 50304),
     "1b": (2048, 16, 8, 50304),

@@ -13,10 +13,10 @@ from trl_ppo.generation import resolve_backend
 real_compiled_loop = generation.sample_responses_compiled
 
 
-def _train_one_update(make_config, tokenizer, load_models, prompt_dataset, **overrides):
+def _train_one_update(make_config, tokenizer, load_models, prompt_dataset, value_model="separate", **overrides):
     # SGD without clipping: any error in the loss scale shows in the weights.
     config = make_config(total_episodes=8, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, **overrides)
-    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, value_model=value_model)
     trainer.train()
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
     logs = [entry for entry in trainer.state.log_history if "objective/scores" in entry]
@@ -36,6 +36,17 @@ def test_several_micro_batches_per_forward_give_the_same_update(make_config, tok
         torch.testing.assert_close(merged[name], separate[name], atol=1e-6, rtol=1e-5, msg=name)
     for key in ("loss/policy_avg", "loss/value_avg", "policy/approxkl_avg", "policy/entropy_avg", "val/ratio"):
         assert merged_log[key] == pytest.approx(separate_log[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("value_model", ["separate", None])
+def test_chunked_logprobs_give_the_same_update(value_model, make_config, tokenizer, load_models, prompt_dataset):
+    # Full logits at once (0) against the LM head on 5 response tokens at a time, recomputed in the backward.
+    run = partial(_train_one_update, make_config, tokenizer, load_models, prompt_dataset, value_model)
+    (chunked, chunked_log), (full, full_log) = run(logprobs_chunk_size=5), run(logprobs_chunk_size=0)
+    for name in full:
+        torch.testing.assert_close(chunked[name], full[name], atol=1e-6, rtol=1e-5, msg=name)
+    for key in ("objective/kl", "loss/policy_avg", "loss/value_avg", "policy/entropy_avg", "val/ratio"):
+        assert chunked_log[key] == pytest.approx(full_log[key], rel=1e-5, abs=1e-7), key
 
 
 @pytest.mark.parametrize("size", [6, 3])

@@ -94,8 +94,9 @@ def test_full_kl_chunked_equals_the_dense_computation(make_config, tokenizer, lo
     rollout = trainer.collect_rollout(batch)
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
     with torch.no_grad():
-        logits, _ = wrapper(rollout.input_ids, rollout.attention_mask, rollout.response_length, config.temperature)
-        ref_logits = trainer._reference_logits(rollout)
+        inputs = (rollout.input_ids, rollout.attention_mask, rollout.responses, config.temperature)
+        logits = wrapper(*inputs, keep_logits=True).logits
+        ref_logits = trainer._reference_output(rollout, keep_logits=True).logits
     dense = ppo.full_kl_from_logits(logits, ref_logits).masked_fill(~rollout.response_mask, 0.0)
     torch.testing.assert_close(rollout.full_kl, dense)
     assert (rollout.full_kl >= -1e-6).all()

@@ -354,12 +354,15 @@ def test_ref_adapter_name_selects_the_reference_adapter(make_config, tokenizer, 
     mask = rollout.response_mask
     assert (rollout.ref_logprobs - rollout.logprobs)[mask].abs().max() > 1e-3
     policy.set_adapter("ref")
-    from trl_ppo.models import policy_response_logits
+    from trl_ppo.logprobs import response_logprobs
     from trl_ppo.rollout import masked_response_logprobs
 
-    with torch.no_grad():
-        logits = policy_response_logits(policy, rollout.input_ids, rollout.attention_mask, 6, config.temperature)
-    torch.testing.assert_close(masked_response_logprobs(logits, rollout), rollout.ref_logprobs, atol=1e-5, rtol=0)
+    with torch.no_grad():  # the plain forward (chunk_size 0) against the trainer's chunked one, through PEFT
+        inputs = (rollout.input_ids, rollout.attention_mask, rollout.responses, config.temperature)
+        output = response_logprobs(policy, *inputs)
+    expected = masked_response_logprobs(output.logprobs, rollout)
+    assert config.logprobs_chunk_size > 0
+    torch.testing.assert_close(expected, rollout.ref_logprobs, atol=1e-5, rtol=0)
     policy.set_adapter("default")
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert trainable and all(".default" in n for n in trainable)

@@ -58,6 +58,17 @@ class OnPolicyConfig(TrainingArguments):
             "`per_device_train_batch_size`."
         },
     )
+    logprobs_chunk_size: int = field(
+        default=1024,
+        metadata={
+            "help": "Response tokens per chunk when log-probabilities and entropies are computed from the policy's "
+            "(and reference's) final hidden states: the LM head runs on one chunk at a time, and in the PPO update "
+            "each chunk's logits are recomputed in the backward pass instead of stored, so the full [episodes, "
+            "tokens, vocabulary] logits never exist at once. Same numbers as the plain forward. Taken for "
+            "transformers' GPT-NeoX, GPT-2, Llama, Mistral, Mixtral, Qwen2/3 (MoE too), OLMo 2 and Phi-3 classes; "
+            "other models are called whole. 0: always the plain forward with full logits."
+        },
+    )
     generation_backend: Literal["auto", "kv_cache", "compiled", "compiled_loop", "generate"] = field(
         default="auto",
         metadata={
@@ -349,6 +360,8 @@ def validate_config(args: OnPolicyConfig) -> None:
             f"Unknown `generation_backend` {args.generation_backend!r}: use 'auto', 'kv_cache', 'compiled', "
             "'compiled_loop' or 'generate'."
         )
+    if args.logprobs_chunk_size < 0:
+        fail(f"`logprobs_chunk_size` must be >= 0 (0: no chunking), got {args.logprobs_chunk_size}.")
     if args.train_forward_batch_size is not None and args.train_forward_batch_size < 1:
         fail(f"`train_forward_batch_size` must be at least 1, got {args.train_forward_batch_size}.")
     for name in (

@@ -25,7 +25,7 @@ from torch import nn
 
 from . import ppo
 from .distributed import all_processes
-from .models import position_ids_from_mask
+from .logprobs import position_ids_from_mask
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """The four models of PPO: how each is called, wrapped, frozen and (with PEFT) shared.
 
-* policy: a causal LM; `policy_response_logits` returns the logits that predict the response tokens.
+* policy: a causal LM; `logprobs.response_logprobs` gives the log-probabilities of the response tokens.
 * value and reward models: sequence-classification models with a scalar `score` head read on every token
   (`scalar_head_outputs`), as in TRL's PPO.
 * reference: a frozen copy of the initial policy, or the policy with its PEFT adapter disabled.
@@ -14,7 +14,8 @@ import copy
 import torch
 from torch import nn
 
-from .value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
+from .logprobs import ResponseOutput, position_ids_from_mask, response_logprobs
+from .value_head import AutoModelForCausalLMWithValueHead, causal_lm, is_value_head_model
 
 try:  # peft is a dependency, but keep `import trl_ppo` working without it
     from peft import PeftModel, get_peft_model
@@ -61,35 +62,6 @@ def freeze(model: nn.Module) -> nn.Module:
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     return model
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over the attended tokens only, so a left-padded prompt starts at 0. `[B, L]`."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def response_forward(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
-    """The model's forward over prompt + response `[B, L]`, with the LM head (and a value head, if any) applied
-    only to the `response_length + 1` last positions (`logits_to_keep`), so no logits of the prompt exist."""
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=response_length + 1,
-        use_cache=False,
-    )
-
-
-def policy_response_logits(
-    policy: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_length: int,
-    temperature: float,
-) -> torch.Tensor:
-    """Logits that predict the last `response_length` tokens of `input_ids` `[B, L]`, divided by `temperature`
-    exactly as during sampling. -> `[B, response_length, V]`."""
-    return response_forward(policy, input_ids, attention_mask, response_length).logits[:, :-1] / temperature
 
 
 def scalar_head_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -146,14 +118,25 @@ class PolicyAndValueWrapper(nn.Module):
         if self.value_model is not None:
             self.value_model.gradient_checkpointing_enable(**kwargs)
 
-    def forward(self, input_ids, attention_mask, response_length: int, temperature: float):
-        """-> (policy logits for the response `[B, T, V]`, values for the response `[B, T]`, float32)."""
-        if self.value_model is None:  # one forward pass for both
-            output = response_forward(self.policy, input_ids, attention_mask, response_length)
-            return output.logits[:, :-1] / temperature, output.value[:, :-1].float()
-        logits = policy_response_logits(self.policy, input_ids, attention_mask, response_length, temperature)
-        values = scalar_head_outputs(self.value_model, input_ids, attention_mask)
-        return logits, values[:, -response_length - 1 : -1]
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        responses: torch.Tensor,
+        temperature: float,
+        chunk_size: int = 0,
+        entropy: bool = False,
+        keep_logits: bool = False,
+    ) -> ResponseOutput:
+        """Log-probs of the response tokens `responses` `[B, T]` (the end of `input_ids` `[B, L]`) under the
+        policy and their values `[B, T]` (float32); the other arguments as in `logprobs.response_logprobs`."""
+        output = response_logprobs(
+            self.policy, input_ids, attention_mask, responses, temperature, chunk_size, entropy, keep_logits
+        )
+        if self.value_model is not None:
+            values = scalar_head_outputs(self.value_model, input_ids, attention_mask)
+            output.values = values[:, -responses.size(1) - 1 : -1]
+        return output
 
 
 def with_value_function(model: nn.Module, value_model: nn.Module | None, seed: int) -> nn.Module:
@@ -172,11 +155,6 @@ def with_value_function(model: nn.Module, value_model: nn.Module | None, seed: i
     with torch.random.fork_rng(devices=[]):  # reproducible, and the global RNG stream is left as it was
         torch.manual_seed(seed)
         return AutoModelForCausalLMWithValueHead(model)
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The causal LM inside an `AutoModelForCausalLMWithValueHead`, or `model` itself."""
-    return model.pretrained_model if is_value_head_model(model) else model
 
 
 def add_peft_adapter(policy: nn.Module, peft_config) -> nn.Module:

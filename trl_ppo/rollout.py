@@ -11,7 +11,8 @@ import torch
 from . import distributed as dist
 from . import ppo
 from .generation import generation_backend
-from .models import peft_reference, policy_response_logits
+from .logprobs import ResponseOutput, response_logprobs
+from .models import peft_reference
 
 
 @dataclass
@@ -54,9 +55,8 @@ def chunks(batch_size: int, chunk_size: int):
         yield slice(start, min(start + chunk_size, batch_size))
 
 
-def masked_response_logprobs(logits: torch.Tensor, rollout: Rollout) -> torch.Tensor:
-    """Log-probs of the sampled response tokens `[B, T]`, INVALID_LOGPROB on padding."""
-    logprobs = ppo.logprobs_from_logits(logits, rollout.responses)
+def masked_response_logprobs(logprobs: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """Log-probs of the sampled response tokens `[B, T]` with INVALID_LOGPROB on padding."""
     return logprobs.masked_fill(~rollout.response_mask, ppo.INVALID_LOGPROB)
 
 
@@ -78,25 +78,27 @@ class RolloutMixin:
         `local_rollout_forward_batch_size` episodes."""
         args = self.args
         wrapper = self.accelerator.unwrap_model(self.model)
-        full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk at a time
+        full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk of episodes at a time
         logprobs, ref_logprobs, values, full_kls = [], [], [], []
         with self.accelerator.autocast():
             for part in chunks(rollout.queries.size(0), args.local_rollout_forward_batch_size):
                 episodes = rollout.select(part)
-                logits, value = wrapper(
-                    episodes.input_ids, episodes.attention_mask, episodes.response_length, args.temperature
+                output = wrapper(
+                    episodes.input_ids,
+                    episodes.attention_mask,
+                    episodes.responses,
+                    args.temperature,
+                    args.logprobs_chunk_size,
+                    keep_logits=full_kl,
                 )
-                logprobs.append(masked_response_logprobs(logits, episodes))
-                values.append(value.float().masked_fill(~episodes.response_mask, 0.0))
-                if not full_kl:
-                    del logits  # before the reference forward: one chunk of full logits alive at a time
-                ref_logits = self._reference_logits(episodes)
-                ref_logprobs.append(masked_response_logprobs(ref_logits, episodes))
+                logprobs.append(masked_response_logprobs(output.logprobs, episodes))
+                values.append(output.values.masked_fill(~episodes.response_mask, 0.0))
+                ref_output = self._reference_output(episodes, keep_logits=full_kl)
+                ref_logprobs.append(masked_response_logprobs(ref_output.logprobs, episodes))
                 if full_kl:
-                    kl = ppo.full_kl_from_logits(logits, ref_logits).masked_fill(~episodes.response_mask, 0.0)
-                    full_kls.append(kl)
-                    del logits
-                del ref_logits
+                    kl = ppo.full_kl_from_logits(output.logits, ref_output.logits)
+                    full_kls.append(kl.masked_fill(~episodes.response_mask, 0.0))
+                del output, ref_output  # one chunk of full logits alive at a time
         rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
         rollout.values = torch.cat(values)
         rollout.full_kl = torch.cat(full_kls) if full_kl else None
@@ -146,13 +148,12 @@ class RolloutMixin:
                 wrapper.train(was_training)
         return torch.cat(responses)
 
-    def _reference_logits(self, episodes: Rollout) -> torch.Tensor:
+    def _reference_output(self, episodes: Rollout, keep_logits: bool = False) -> ResponseOutput:
+        """`ref_logprobs` `[B, T]` of the episodes' responses (and the reference's logits, with `keep_logits`)."""
         args = self.args
-        length = episodes.response_length
+        inputs = (episodes.input_ids, episodes.attention_mask, episodes.responses, args.temperature)
         if self.ref_model is not None:
-            return policy_response_logits(
-                self.ref_model, episodes.input_ids, episodes.attention_mask, length, args.temperature
-            )
+            return response_logprobs(self.ref_model, *inputs, args.logprobs_chunk_size, keep_logits=keep_logits)
         lm = self.accelerator.unwrap_model(self.model).lm
         with peft_reference(lm, args.ref_adapter_name, args.model_adapter_name):
-            return policy_response_logits(lm, episodes.input_ids, episodes.attention_mask, length, args.temperature)
+            return response_logprobs(lm, *inputs, args.logprobs_chunk_size, keep_logits=keep_logits)

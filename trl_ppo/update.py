@@ -131,14 +131,16 @@ class PPOUpdateMixin:
         gradient equals that of one pass per micro-batch. -> per-micro-batch stats, each a list of scalars."""
         args = self.args
         with self.accelerator.autocast():
-            logits, new_values = self.model(
-                episodes.input_ids, episodes.attention_mask, episodes.response_length, args.temperature
+            output = self.model(
+                episodes.input_ids,
+                episodes.attention_mask,
+                episodes.responses,
+                args.temperature,
+                args.logprobs_chunk_size,
+                entropy=True,
             )
-        new_logprobs = masked_response_logprobs(logits, episodes)
-        new_values = new_values.float()
-        with torch.no_grad():
-            entropy = ppo.entropy_from_logits(logits)
-        del logits
+        new_logprobs = masked_response_logprobs(output.logprobs, episodes)
+        new_values, entropy = output.values, output.entropy
         stats, loss = defaultdict(list), 0.0
         for part in chunks(episodes.queries.size(0), args.per_device_train_batch_size):
             mask = episodes.response_mask[part]

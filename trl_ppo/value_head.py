@@ -166,3 +166,8 @@ def sub_state_dict(state_dict: dict, prefix: str) -> dict:
 
 def is_value_head_model(model) -> bool:
     return isinstance(model, AutoModelForCausalLMWithValueHead)
+
+
+def causal_lm(model):
+    """The causal LM inside an `AutoModelForCausalLMWithValueHead`, or `model` itself."""
+    return model.pretrained_model if is_value_head_model(model) else model
