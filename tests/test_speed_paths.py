@@ -118,3 +118,48 @@ def test_frozen_models_keep_linear_weights_in_bf16_and_match_the_policy(
     rollout = trainer.collect_rollout(batch)
     # Before any update the policy is the reference: with the same bf16 products, the same log-probabilities.
     assert torch.equal(rollout.logprobs, rollout.ref_logprobs)
+
+
+def test_trim_padding_drops_only_columns_that_are_padding_everywhere():
+    from trl_ppo.rollout import Rollout
+
+    query_mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    response_mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    rollout = Rollout(
+        torch.arange(8).view(2, 4), query_mask, torch.arange(10).view(2, 5), response_mask, values=torch.ones(2, 5)
+    )
+    trimmed = rollout.trim_padding()
+    assert torch.equal(trimmed.queries, torch.tensor([[1, 2, 3], [5, 6, 7]]))
+    assert torch.equal(trimmed.responses, torch.tensor([[0, 1], [5, 6]]))
+    assert trimmed.values.shape == (2, 2) and trimmed.query_mask.shape == (2, 3)
+
+
+def test_trimmed_padding_gives_the_same_rollout_and_update(
+    make_config, tokenizer, load_models, prompt_dataset, monkeypatch
+):
+    """Forward passes over episodes without their common padding columns compute the same log-probs, values and
+    update as over the full width (responses of 1-5 tokens in a width of 6, prompts of 1-6 words)."""
+    from trl_ppo.rollout import Rollout
+
+    def rollout_and_update():
+        config = make_config(optim="sgd", learning_rate=0.5, max_grad_norm=0.0)
+        trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
+        queries, query_mask = trainer._prompts_of(next(iter(trainer.train_dataloader)))
+        torch.manual_seed(0)
+        response_mask = torch.arange(6)[None] < torch.tensor([2, 4, 3, 1, 5, 2, 4, 3])[:, None]
+        responses = torch.randint(3, len(tokenizer), (8, 6)).masked_fill(~response_mask, tokenizer.pad_token_id)
+        rollout = trainer.add_logprobs_and_values(Rollout(queries, query_mask, responses, response_mask))
+        rollout.scores = torch.linspace(-1.0, 1.0, 8)
+        advantages, returns, _ = trainer.compute_advantages(rollout)
+        trainer.ppo_update(rollout, advantages, returns)
+        narrowest = min(rollout.select(torch.arange(i, i + 4)).trim_padding().queries.size(1) for i in (0, 4))
+        return rollout, trainer.accelerator.unwrap_model(trainer.model).state_dict(), narrowest, queries.size(1)
+
+    trimmed, trimmed_weights, narrowest, width = rollout_and_update()
+    assert narrowest < width, "some pass must have prompt padding to drop"
+    monkeypatch.setattr(Rollout, "trim_padding", lambda self: self)
+    full, full_weights, _, _ = rollout_and_update()
+    for name in ("logprobs", "ref_logprobs", "values"):
+        torch.testing.assert_close(getattr(trimmed, name), getattr(full, name), atol=1e-6, rtol=1e-5, msg=name)
+    for name in full_weights:
+        torch.testing.assert_close(trimmed_weights[name], full_weights[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -117,10 +117,11 @@ def chunked_token_logprobs(
     token_chunks = tokens.reshape(-1).split(chunk_size)
     logprobs, entropies = [], []
     for hidden_chunk, token_chunk in zip(hidden_chunks, token_chunks):
+        inputs = (head, hidden_chunk, token_chunk, temperature, entropy)
         if torch.is_grad_enabled():
-            chunk = checkpoint(_chunk_logprobs, head, hidden_chunk, token_chunk, temperature, entropy, use_reentrant=False)
+            chunk = checkpoint(_chunk_logprobs, *inputs, use_reentrant=False)
         else:
-            chunk = _chunk_logprobs(head, hidden_chunk, token_chunk, temperature, entropy)
+            chunk = _chunk_logprobs(*inputs)
         logprobs.append(chunk[0])
         entropies.append(chunk[1])
     logprobs = torch.cat(logprobs).reshape(shape)

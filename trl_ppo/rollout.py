@@ -4,6 +4,7 @@ trainer's part). The sampling itself (the generation backends) is in `generation
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,29 @@ class Rollout:
         """Attention over the prompt tokens and the response tokens up to the stop token. `[B, Lq + T]`."""
         return torch.cat([self.query_mask, self.response_mask], dim=1).long()
 
+    def trim_padding(self) -> "Rollout":
+        """The same episodes without the columns that are padding in all of them: prompt columns on the left,
+        response columns after the longest response. Forward passes over it do less work for the same numbers
+        (padded keys are masked out of attention, and causal attention never reads the columns on the right).
+        Per-token fields become `[B, T']`; `pad_responses` widens results back to `T`."""
+        first_prompt_column, width = torch.stack(
+            [ppo.first_true_indices(self.query_mask.any(0)[None])[0], self.response_mask.sum(1).amax()]
+        ).tolist()  # one device-to-host sync
+        fields = dict(vars(self), queries=self.queries[:, first_prompt_column:])
+        fields["query_mask"] = self.query_mask[:, first_prompt_column:]
+        for name in ("responses", "response_mask", "logprobs", "ref_logprobs", "values", "full_kl"):
+            if fields[name] is not None:
+                fields[name] = fields[name][:, : max(width, 1)]
+        return Rollout(**fields)
+
     def select(self, index: torch.Tensor) -> "Rollout":
         """The episodes at `index` (a 1-D index tensor)."""
         return Rollout(**{name: None if value is None else value[index] for name, value in vars(self).items()})
+
+
+def pad_responses(values: torch.Tensor, length: int, fill: float) -> torch.Tensor:
+    """Per-token results of trimmed episodes `[B, T']` widened to `[B, length]` with `fill`."""
+    return torch.nn.functional.pad(values, (0, length - values.size(1)), value=fill)
 
 
 def chunks(batch_size: int, chunk_size: int):
@@ -80,9 +101,10 @@ class RolloutMixin:
         wrapper = self.accelerator.unwrap_model(self.model)
         full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk of episodes at a time
         logprobs, ref_logprobs, values, full_kls = [], [], [], []
+        widen = functools.partial(pad_responses, length=rollout.response_length)  # trimmed chunks back to T
         with self.accelerator.autocast():
             for part in chunks(rollout.queries.size(0), args.local_rollout_forward_batch_size):
-                episodes = rollout.select(part)
+                episodes = rollout.select(part).trim_padding()
                 output = wrapper(
                     episodes.input_ids,
                     episodes.attention_mask,
@@ -91,13 +113,13 @@ class RolloutMixin:
                     args.logprobs_chunk_size,
                     keep_logits=full_kl,
                 )
-                logprobs.append(masked_response_logprobs(output.logprobs, episodes))
-                values.append(output.values.masked_fill(~episodes.response_mask, 0.0))
                 ref_output = self._reference_output(episodes, keep_logits=full_kl)
-                ref_logprobs.append(masked_response_logprobs(ref_output.logprobs, episodes))
+                for results, logprob in ((logprobs, output.logprobs), (ref_logprobs, ref_output.logprobs)):
+                    results.append(widen(masked_response_logprobs(logprob, episodes), fill=ppo.INVALID_LOGPROB))
+                values.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
                 if full_kl:
                     kl = ppo.full_kl_from_logits(output.logits, ref_output.logits)
-                    full_kls.append(kl.masked_fill(~episodes.response_mask, 0.0))
+                    full_kls.append(widen(kl.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
                 del output, ref_output  # one chunk of full logits alive at a time
         rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
         rollout.values = torch.cat(values)

@@ -125,11 +125,14 @@ class PPOUpdateMixin:
         )
 
     def _ppo_forward_backward(self, episodes: Rollout, advantages, returns, num_micro_batches: int) -> dict:
-        """One forward/backward over whole micro-batches of a minibatch (`train_forward_batch_size` episodes).
+        """One forward/backward over whole micro-batches of a minibatch (`train_forward_batch_size` episodes),
+        without the padding columns common to all of them (`Rollout.trim_padding`).
 
         The loss is computed per micro-batch (masked means over that micro-batch's tokens) and summed, so the
         gradient equals that of one pass per micro-batch. -> per-micro-batch stats, each a list of scalars."""
         args = self.args
+        episodes = episodes.trim_padding()
+        advantages, returns = advantages[:, : episodes.response_length], returns[:, : episodes.response_length]
         with self.accelerator.autocast():
             output = self.model(
                 episodes.input_ids,
