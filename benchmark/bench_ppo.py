@@ -185,7 +185,7 @@ def measure(cli) -> dict:
         "shape": cli.shape,
         "precision": cli.precision + ("+tf32" if cli.tf32 else ""),
         "seed": cli.seed,
-        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "device": torch.cuda.get_device_name() if on_gpu else cpu_name(),
         "episodes_per_second": round(batch * world * len(steady) / seconds, 3),
         "seconds_per_update": round(seconds / len(steady), 4),
         "warmup_seconds": round(log.times[1] - log.times[0], 2),
@@ -198,6 +198,15 @@ def measure(cli) -> dict:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def cpu_name() -> str:
+    """ "cpu: <model name>, <n> cores", so that rows from different CPU machines stay apart."""
+    model = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as info:
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    return f"cpu: {model or 'unknown'}, {os.cpu_count()} cores"
 
 
 # --------------------------------------------------------------------------------------------- orchestration

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SHAPE_ORDER = ["tiny", "160m", "410m", "1b"]
+SHAPE_ORDER = ["tiny", "tiny-50k", "160m", "410m", "1b"]
 COLORS = {"trl_ppo": "tab:blue", "trl": "tab:gray"}
 LABELS = {"trl_ppo": "trl_ppo", "trl": "TRL 1.12"}
 
@@ -35,8 +35,10 @@ def median_rows(paths: list[str]) -> dict:
 
 
 def short_device(name: str) -> str:
-    """ "NVIDIA H100 80GB HBM3" -> "H100", "cpu" -> "CPU"."""
-    return "CPU" if name == "cpu" else name.replace("NVIDIA ", "").split()[0]
+    """ "NVIDIA H100 80GB HBM3" -> "H100", "cpu" -> "CPU", "cpu: AMD EPYC, 2 cores" -> "CPU AMD EPYC"."""
+    if name.startswith("cpu"):
+        return ("CPU " + name[4:].split(",")[0].strip()).strip()
+    return name.replace("NVIDIA ", "").split()[0]
 
 
 def main() -> None:
@@ -45,7 +47,7 @@ def main() -> None:
     parser.add_argument("-o", "--output", default="benchmark/results.png")
     cli = parser.parse_args()
     table = median_rows(cli.results)
-    configs = sorted(table, key=lambda k: (k[0] == "cpu", SHAPE_ORDER.index(k[1]), k[2]))
+    configs = sorted(table, key=lambda k: (k[0].startswith("cpu"), k[0], SHAPE_ORDER.index(k[1]), k[2]))
     labels = [f"{shape}\n{precision}\n{short_device(device)}" for device, shape, precision in configs]
     figure, axes = plt.subplots(1, 2, figsize=(16, 6))
     width = 0.38
