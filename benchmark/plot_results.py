@@ -35,9 +35,10 @@ def median_rows(paths: list[str]) -> dict:
 
 
 def short_device(name: str) -> str:
-    """ "NVIDIA H100 80GB HBM3" -> "H100", "cpu" -> "CPU", "cpu: AMD EPYC, 2 cores" -> "CPU AMD EPYC"."""
+    """ "NVIDIA H100 80GB HBM3" -> "H100", "cpu" -> "CPU", "cpu: AMD EPYC, 2 cores" -> "EPYC CPU"."""
     if name.startswith("cpu"):
-        return ("CPU " + name[4:].split(",")[0].strip()).strip()
+        model = name[4:].split(",")[0].split()
+        return f"{model[-1]} CPU" if model else "CPU"
     return name.replace("NVIDIA ", "").split()[0]
 
 
