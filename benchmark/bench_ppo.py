@@ -39,6 +39,7 @@ SHAPES = {  # hidden size, layers, heads, vocabulary (the pythia family's, vocab
     "1b": (2048, 16, 8, 50304),
 }
 TRAINERS = ("trl_ppo", "trl")
+WALL_CLOCK_METRICS = ("eps", "train_runtime", "train_episodes_per_second", "train_samples_per_second")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -107,7 +108,7 @@ def measure(cli) -> dict:
 
     class UpdateLog(TrainerCallback):
         def __init__(self) -> None:
-            self.times, self.scores = [], []
+            self.times, self.scores, self.logs = [], [], []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.times = [time.perf_counter()]
@@ -120,6 +121,8 @@ def measure(cli) -> dict:
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "objective/scores" in logs:
                 self.scores.append(logs["objective/scores"])
+            if logs:  # every logged metric but the wall-clock ones, for before/after comparisons
+                self.logs.append({k: v for k, v in logs.items() if k not in WALL_CLOCK_METRICS})
 
     on_gpu = torch.cuda.is_available()
     tokenizer = build_word_tokenizer()
@@ -180,6 +183,9 @@ def measure(cli) -> dict:
     else:
         peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "max_rss"
     world = trainer.accelerator.num_processes
+    if cli.log_history:
+        with open(cli.log_history, "w") as handle:
+            json.dump(log.logs, handle, indent=1)
     return {
         "trainer": cli.trainer,
         "shape": cli.shape,
@@ -219,6 +225,8 @@ def run_worker(cli, trainer: str, shape: str, precision: str, seed: int, updates
     command += ["--per_device_train_batch_size", str(cli.per_device_train_batch_size)]
     command += ["--gradient_accumulation_steps", str(cli.gradient_accumulation_steps)]
     command += ["--trl_ppo_flags", cli.trl_ppo_flags] + (["--tf32"] if cli.tf32 else [])
+    if cli.log_history:  # one file per trainer, shape, precision and seed
+        command += ["--log_history", f"{cli.log_history}.{trainer}.{shape}.{precision}.{seed}.json"]
     done = subprocess.run(command, capture_output=True, text=True)
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
@@ -318,6 +326,12 @@ def main() -> None:
     parser.add_argument("--results", default=os.path.join(HERE, "results.jsonl"), help="JSON lines appended here.")
     parser.add_argument("--output_dir", default="/tmp/trl_ppo_bench")
     parser.add_argument("--ddp_backend", default=None, help="e.g. gloo for DeepSpeed on CPU (in-process runs).")
+    parser.add_argument(
+        "--log_history",
+        default=None,
+        help="Write every logged metric (full precision, wall-clock ones left out) of each run to "
+        "<this>.<trainer>.<shape>.<precision>.<seed>.json: to check that a change moves no number.",
+    )
     parser.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     cli = parser.parse_args()
