@@ -6,7 +6,7 @@ import torch
 from conftest import ARCHITECTURES, tiny_config
 
 from trl_ppo import ppo
-from trl_ppo.logprobs import chunked_token_logprobs, hidden_state_parts, response_logprobs
+from trl_ppo.logprobs import chunked_token_logprobs, hidden_state_parts, position_ids_from_mask, response_logprobs
 from trl_ppo.value_head import AutoModelForCausalLMWithValueHead
 
 
@@ -85,3 +85,26 @@ def test_models_with_their_own_logit_processing_are_called_whole(tokenizer):
     model = AutoModelForCausalLM.from_config(config)
     output = response_logprobs(model, *_episodes(len(tokenizer)), temperature=1.0, chunk_size=4, keep_logits=True)
     assert output.logits.shape == (3, 4, len(tokenizer))
+
+
+@pytest.mark.parametrize("chunk_size", [0, 100])
+def test_temperature_divides_float32_logits_under_bf16_autocast(chunk_size, tokenizer):
+    """The old log-probabilities must be those of the distribution the sampler drew from: softmax of the float32
+    logits / temperature (the sampler's), also when the forward runs in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt_neox", tokenizer))
+    input_ids, attention_mask, responses = _episodes(len(tokenizer))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        output = response_logprobs(model, input_ids, attention_mask, responses, 0.7, chunk_size)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
+        inputs["position_ids"] = position_ids_from_mask(attention_mask)
+        if chunk_size:  # the same head on the same hidden states, as the chunked path computes them
+            backbone, head = hidden_state_parts(model)
+            logits = head(backbone(**inputs).last_hidden_state[:, -5:-1].reshape(-1, 32)).reshape(3, 4, -1)
+        else:
+            logits = model(**inputs, logits_to_keep=5).logits[:, :-1]
+    assert logits.dtype == torch.bfloat16
+    expected = torch.log_softmax(logits.float() / 0.7, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(output.logprobs, expected, rtol=0, atol=1e-6)

@@ -83,7 +83,7 @@ def response_logprobs(
     parts = hidden_state_parts(causal_lm(model)) if chunk_size > 0 and not keep_logits else None
     if parts is None:
         output = response_forward(model, input_ids, attention_mask, length)
-        logits = output.logits[:, :-1] / temperature
+        logits = output.logits[:, :-1].float() / temperature  # float32, as the sampler divides them
         values = output.value[:, :-1].float() if is_value_head_model(model) else None
         with torch.no_grad():
             entropies = ppo.entropy_from_logits(logits) if entropy else None
@@ -129,7 +129,7 @@ def chunked_token_logprobs(
 
 
 def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: bool):
-    logits = head(hidden) / temperature  # [N, V]
+    logits = head(hidden).float() / temperature  # [N, V] float32, as the sampler divides them
     with torch.no_grad():
         entropies = ppo.entropy_from_logits(logits) if entropy else None
     return ppo.logprobs_from_logits(logits, tokens), entropies
