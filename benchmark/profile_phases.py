@@ -17,9 +17,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_ppo  # noqa: E402
 
-from trl_ppo import PPOTrainer  # noqa: E402
+from trl_ppo import PPOTrainer, rollout  # noqa: E402
 
-PHASES = ("_sample", "add_logprobs_and_values", "score", "compute_advantages", "ppo_update", "_end_update")
+# (where it is looked up, name): the sampling and the no-grad passes are functions of `rollout`, called from there.
+PHASES = (
+    (rollout, "sample_responses"),
+    (rollout, "add_logprobs_and_values"),
+    (PPOTrainer, "score"),
+    (PPOTrainer, "compute_rewards"),
+    (PPOTrainer, "compute_advantages"),
+    (PPOTrainer, "ppo_update"),
+    (PPOTrainer, "_end_update"),
+)
 PROFILE_UPDATE = int(os.environ.get("PROFILE_UPDATE", "0"))  # 0: no torch.profiler
 seconds = collections.defaultdict(list)
 profiler = None
@@ -28,7 +37,7 @@ profiler = None
 def profile_boundaries(name: str) -> None:
     """Start torch.profiler when update PROFILE_UPDATE starts sampling, print its table when its update ends."""
     global profiler
-    if name == "_sample" and len(seconds["_sample"]) == PROFILE_UPDATE - 1:
+    if name == "sample_responses" and len(seconds["sample_responses"]) == PROFILE_UPDATE - 1:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -36,8 +45,8 @@ def profile_boundaries(name: str) -> None:
         profiler.__enter__()
 
 
-def timed(name: str) -> None:
-    method = getattr(PPOTrainer, name)
+def timed(owner, name: str) -> None:
+    method = getattr(owner, name)
 
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
@@ -56,16 +65,16 @@ def timed(name: str) -> None:
             profiler = None
         return result
 
-    setattr(PPOTrainer, name, wrapper)
+    setattr(owner, name, wrapper)
 
 
 if __name__ == "__main__":
-    for phase in PHASES:
-        timed(phase)
+    for owner, phase in PHASES:
+        timed(owner, phase)
     sys.argv[1:1] = ["--worker", "trl_ppo"]
     bench_ppo.main()
     print("phase seconds per update (first = warm-up):")
-    for phase in PHASES:
+    for _, phase in PHASES:
         times = seconds[phase]
         steady = times[1:] or times
         print(f"  {phase:26s} first {times[0]:7.3f}  steady {sum(steady) / len(steady):7.3f}")

@@ -98,6 +98,20 @@ def test_bad_reward_values_name_the_reward_and_the_update(
         trainer.train()
 
 
+def test_reward_errors_outside_an_update_say_where_they_happened(make_config, tokenizer, load_models, prompt_dataset):
+    """Decided: errors from `evaluate()` and the completions table name those, with the update they follow, not the
+    next training update."""
+    trainer = build(make_config, tokenizer, load_models, prompt_dataset, reward_model=short_reward)
+    trainer.eval_dataset = trainer.train_dataset
+    with pytest.raises(ValueError, match=r"^Evaluation before training: Reward function 'short_reward' returned 1"):
+        trainer.evaluate()
+    with pytest.raises(ValueError, match=r"^Completions table at update 0: Reward function 'short_reward'"):
+        trainer.generate_completions()
+    trainer.state.global_step = 3  # as after three updates
+    with pytest.raises(ValueError, match=r"^Evaluation after update 3: Reward function 'short_reward'"):
+        trainer.evaluate()
+
+
 def _poison_training_values(trainer):
     """NaN values from the value head, but only in training forwards (with gradients)."""
     head = trainer.accelerator.unwrap_model(trainer.model).value_model.score

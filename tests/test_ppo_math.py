@@ -131,3 +131,51 @@ def test_logprobs_and_entropy_from_logits():
     close(ppo.logprobs_from_logits(logits, tokens), expected)
     close(ppo.entropy_from_logits(torch.zeros(4)), math.log(4))  # uniform over 4
     close(ppo.entropy_from_logits(torch.tensor([0.0, -1e4])), 0.0)
+
+
+def test_one_log_ratio_convention_for_every_kl_term():
+    """`kl_estimate` and `kl_penalty` both read log_ratio = logprobs - ref_logprobs (log pi / pi_ref)."""
+    logprobs, ref_logprobs = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])  # log_ratio = [0.5, -1]
+    close(ppo.kl_penalty(logprobs, ref_logprobs, "kl", "k1"), [[0.5, -1.0]])
+    close(ppo.kl_penalty(logprobs, ref_logprobs, "abs"), [[0.5, 1.0]])
+    close(ppo.kl_penalty(logprobs, ref_logprobs, "mse"), [[0.125, 0.5]])
+    # k3 = exp(-log_ratio) - 1 + log_ratio = [e^-0.5 - 0.5, e - 2]
+    close(ppo.kl_penalty(logprobs, ref_logprobs, "kl", "k3"), [[math.exp(-0.5) - 0.5, math.e - 2.0]])
+
+
+def test_last_token_index_and_the_per_token_kl_on_the_mask():
+    mask = torch.tensor([[T, T, T], [T, F, F], [F, F, F]])
+    assert ppo.last_token_index(mask).tolist() == [2, 0, 0]  # an empty row reads index 0
+    logprobs, ref = torch.tensor([[-1.0, -2.0, -3.0]] * 3), torch.tensor([[-1.5, -1.0, -3.0]] * 3)
+    close(ppo.per_token_kl(logprobs, ref, mask), [[0.5, -1.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    full = torch.full((3, 3), 7.0)  # "full" takes the exact KL given, masked the same way
+    close(ppo.per_token_kl(logprobs, ref, mask, "full", full_kl=full), [[7.0, 7.0, 7.0], [7.0, 0, 0], [0, 0, 0]])
+
+
+def test_kl_shaped_rewards_by_hand():
+    scores, kl = torch.tensor([2.0, 3.0]), torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    mask = torch.tensor([[T, T, T], [T, F, F]])
+    shaped = ppo.kl_shaped_rewards(scores, kl, mask, kl_coef=0.5)
+    close(shaped.rewards, [[-0.05, -0.1, 1.85], [2.8, 0.0, 0.0]])
+    close(shaped.non_score_rewards, [[-0.05, -0.1, -0.15], [-0.2, 0.0, 0.0]])
+    assert shaped.kl is kl and shaped.shaped_scores is scores
+    # Whitened: divided by the (Bessel) standard deviation of the 4 masked rewards, mean kept, padding 0.
+    values = torch.tensor([-0.05, -0.1, 1.85, 2.8])
+    std = values.std().item()
+    expected = (values - values.mean()) / std + values.mean()
+    whitened = ppo.kl_shaped_rewards(scores, kl, mask, kl_coef=0.5, whiten=True).rewards
+    close(whitened[mask], expected, tol=1e-4)
+    assert whitened[1, 1:].eq(0).all()
+
+
+def test_advantages_and_returns_whiten_the_advantages_not_the_returns():
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.5, 0.6, 0.7]])
+    result = ppo.advantages_and_returns(rewards, values, torch.ones(1, 3, dtype=torch.bool), gamma=0.9, lam=0.8)
+    raw = torch.tensor([0.21712, 0.246, 0.3])  # test_gae_three_tokens' workings
+    close(result.returns, [[0.71712, 0.846, 1.0]])
+    close(result.advantages, [((raw - raw.mean()) / raw.std()).tolist()], tol=1e-4)
+
+
+def test_pad_responses_fills_to_the_length():
+    padded = ppo.pad_responses(torch.tensor([[1, 2], [3, 4]]), 4, fill=9)
+    assert padded.tolist() == [[1, 2, 9, 9], [3, 4, 9, 9]]

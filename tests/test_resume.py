@@ -1,5 +1,6 @@
 """Never lose a run: bitwise-exact resume, checkpoints that are never half-written, and preemption by SIGTERM."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -116,11 +117,11 @@ def test_resume_is_bitwise_identical(variant, make_config, tokenizer, load_model
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert logs_without_time(straight) == logs_without_time(resumed)
     assert len([e for e in resumed.state.log_history if "objective/kl" in e]) == 2  # updates 3 and 6
-    assert resumed.kl_coef == straight.kl_coef
+    assert resumed.run.kl_coef == straight.run.kl_coef
     if variant.get("kl_target"):
-        assert resumed.kl_coef != resumed.args.kl_coef  # it did move, so restoring it was tested
-        assert resumed.score_moments.state_dict() == straight.score_moments.state_dict()
-        assert resumed.score_moments.count == 48
+        assert resumed.run.kl_coef != resumed.args.kl_coef  # it did move, so restoring it was tested
+        assert resumed.run.score_moments.state_dict() == straight.run.score_moments.state_dict()
+        assert resumed.run.score_moments.count == 48
 
 
 def test_resume_with_another_batch_size_or_model_names_the_difference(
@@ -262,3 +263,25 @@ def test_signal_drops_an_unstarted_update_or_finishes_a_done_one(
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert logs_without_time(straight) == logs_without_time(resumed)
+
+
+def test_the_run_state_survives_a_json_round_trip_whole():
+    """Everything `RunState` holds comes back from its `state_dict` through JSON (as in `trl_ppo_state.json`),
+    and the state dict shares nothing with the live object (a resume point taken earlier stays as it was)."""
+    from trl_ppo.run_state import RunState
+
+    run = RunState(kl_coef=0.2)
+    run.score_moments.update(torch.tensor([1.0, 3.0, 8.0]))
+    run.data_position = (2, 5)
+    run.metrics_since_log.add({"objective/scores": 1.5, "lr": 1e-3})
+    run.policy_loss_sum, run.skipped_updates = -0.25, 1
+    saved = json.loads(json.dumps(run.state_dict()))
+    run.metrics_since_log.add({"objective/scores": 9.0, "lr": 1e-4})  # after the snapshot: not in it
+
+    restored = RunState(kl_coef=0.05)
+    restored.load_state_dict(saved)
+    assert restored.kl_coef == 0.2 and restored.data_position == (2, 5)
+    assert restored.score_moments.state_dict() == run.score_moments.state_dict()
+    assert restored.metrics_since_log.pop() == {"objective/scores": 1.5, "lr": 1e-3}
+    assert (restored.policy_loss_sum, restored.skipped_updates) == (-0.25, 1)
+    assert set(saved) == {f.name for f in dataclasses.fields(RunState)} - {"last_checkpoint"}

@@ -222,7 +222,7 @@ def test_adaptive_kl_moves_the_coefficient_toward_the_target(
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "objective/kl_coef" in entry]
     kls = [entry["objective/kl"] for entry in logs]
-    coefs = [entry["objective/kl_coef"] for entry in logs] + [trainer.kl_coef]
+    coefs = [entry["objective/kl_coef"] for entry in logs] + [trainer.run.kl_coef]
     assert coefs[0] == 0.1 and len(kls) == 4
     for kl, before, after in zip(kls, coefs, coefs[1:]):
         # |error| is clipped at 0.2 for these targets: the coefficient moves by 0.2 * 8 / 100 of itself.

@@ -8,7 +8,9 @@ import torch
 from conftest import build_trainer
 
 from trl_ppo import generation
+from trl_ppo.data import prompts_on_device
 from trl_ppo.generation import resolve_backend
+from trl_ppo.rollout import sample_responses
 
 real_compiled_loop = generation.sample_responses_compiled
 
@@ -62,9 +64,9 @@ def test_unknown_generation_backend_is_refused(make_config, tokenizer, load_mode
 
 def _sample(trainer, seed: int = 0) -> torch.Tensor:
     batch = next(iter(trainer.train_dataloader))
-    queries, query_mask = trainer._prompts_of(batch)
+    queries, query_mask = prompts_on_device(batch, trainer.accelerator.device, trainer.processing_class.pad_token_id)
     torch.manual_seed(seed)
-    return trainer._sample(queries, query_mask)
+    return sample_responses(trainer._models(), queries, query_mask, trainer._sampling())
 
 
 @pytest.mark.parametrize("backend", ["compiled", "compiled_loop", "generate"])
@@ -144,14 +146,17 @@ def test_trimmed_padding_gives_the_same_rollout_and_update(
     def rollout_and_update():
         config = make_config(optim="sgd", learning_rate=0.5, max_grad_norm=0.0)
         trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
-        queries, query_mask = trainer._prompts_of(next(iter(trainer.train_dataloader)))
+        batch = next(iter(trainer.train_dataloader))
+        queries, query_mask = prompts_on_device(
+            batch, trainer.accelerator.device, trainer.processing_class.pad_token_id
+        )
         torch.manual_seed(0)
         response_mask = torch.arange(6)[None] < torch.tensor([2, 4, 3, 1, 5, 2, 4, 3])[:, None]
         responses = torch.randint(3, len(tokenizer), (8, 6)).masked_fill(~response_mask, tokenizer.pad_token_id)
         rollout = trainer.add_logprobs_and_values(Rollout(queries, query_mask, responses, response_mask))
         rollout.scores = torch.linspace(-1.0, 1.0, 8)
-        advantages, returns, _ = trainer.compute_advantages(rollout)
-        trainer.ppo_update(rollout, advantages, returns)
+        advantages = trainer.compute_advantages(rollout, trainer.compute_rewards(rollout))
+        trainer.ppo_update(rollout, advantages)
         narrowest = min(rollout.select(torch.arange(i, i + 4)).trim_padding().queries.size(1) for i in (0, 4))
         return rollout, trainer.accelerator.unwrap_model(trainer.model).state_dict(), narrowest, queries.size(1)
 

@@ -9,6 +9,7 @@ from conftest import build_trainer
 
 from trl_ppo import create_reference_model, ppo
 from trl_ppo.models import decoder_blocks
+from trl_ppo.rollout import reference_output
 
 
 def spread(prompts, completions, **columns):
@@ -27,8 +28,8 @@ def one_update(trainer, change_rollout=None):
     rollout.scores, _ = trainer.score(rollout, batch)
     if change_rollout is not None:
         change_rollout(rollout)
-    advantages, returns, _ = trainer.compute_advantages(rollout)
-    return trainer.ppo_update(rollout, advantages, returns)
+    advantages = trainer.compute_advantages(rollout, trainer.compute_rewards(rollout))
+    return trainer.ppo_update(rollout, advantages)
 
 
 # ------------------------------------------------------------------------------------------- score shaping
@@ -63,8 +64,8 @@ def test_score_scaling_and_clipping_in_training(make_config, tokenizer, load_mod
     first = trainer.state.log_history[0]
     assert first["objective/scores"] == 0.0  # the raw scores are logged as they are
     assert first["objective/shaped_scores"] == pytest.approx(0.0, abs=1e-6)
-    assert trainer.score_moments.count == 16 and trainer.score_moments.mean == 0.0
-    assert trainer.score_moments.std == pytest.approx(torch.tensor([-3.0, 3.0] * 8).std().item())
+    assert trainer.run.score_moments.count == 16 and trainer.run.score_moments.mean == 0.0
+    assert trainer.run.score_moments.std == pytest.approx(torch.tensor([-3.0, 3.0] * 8).std().item())
     shaped = trainer._shaped_scores(torch.tensor(spread(None, [None] * 8)))
     assert shaped.abs().max().item() == 0.5  # 3 / 3.1 would be ~0.97: the clip bounds it
 
@@ -96,7 +97,7 @@ def test_full_kl_chunked_equals_the_dense_computation(make_config, tokenizer, lo
     with torch.no_grad():
         inputs = (rollout.input_ids, rollout.attention_mask, rollout.responses, config.temperature)
         logits = wrapper(*inputs, keep_logits=True).logits
-        ref_logits = trainer._reference_output(rollout, keep_logits=True).logits
+        ref_logits = reference_output(rollout, trainer._models(), trainer.args, keep_logits=True).logits
     dense = ppo.full_kl_from_logits(logits, ref_logits).masked_fill(~rollout.response_mask, 0.0)
     torch.testing.assert_close(rollout.full_kl, dense)
     assert (rollout.full_kl >= -1e-6).all()

@@ -56,9 +56,9 @@ def test_step_and_train_make_the_same_update_on_the_same_rollout(make_config, to
     recorded = {}
     compute_advantages = trained.compute_advantages
 
-    def record(rollout):
+    def record(rollout, rewards):
         recorded.update(rollout=rollout, rng=torch.get_rng_state())
-        return compute_advantages(rollout)
+        return compute_advantages(rollout, rewards)
 
     trained.compute_advantages = record
     trained.train()

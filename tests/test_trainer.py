@@ -52,8 +52,8 @@ def test_first_minibatch_ratio_is_one(arch, make_config, tokenizer, load_models,
     trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, arch=arch)
     rollout = one_rollout(trainer)
     assert rollout.query_mask.sum(1).unique().numel() > 1  # prompts of different lengths
-    advantages, returns, _ = trainer.compute_advantages(rollout)
-    stats = trainer.ppo_update(rollout, advantages, returns)
+    advantages = trainer.compute_advantages(rollout, trainer.compute_rewards(rollout))
+    stats = trainer.ppo_update(rollout, advantages)
     micro_batches_per_step = config.local_mini_batch_size // config.per_device_train_batch_size
     first = slice(0, micro_batches_per_step)  # the first minibatch of the first epoch
     torch.testing.assert_close(stats["val/ratio"][first], torch.ones(micro_batches_per_step), atol=1e-5, rtol=0)
@@ -309,8 +309,8 @@ def test_pad_token_equal_to_eos_keeps_the_stop_token_in_the_response(
     for response, mask, stopped in zip(rollout.responses, rollout.response_mask, ends_with_eos):
         if stopped:
             assert (response[mask] == eos).sum() == 1  # the EOS is inside the mask exactly once
-    advantages, returns, _ = trainer.compute_advantages(rollout)
-    stats = trainer.ppo_update(rollout, advantages, returns)
+    advantages = trainer.compute_advantages(rollout, trainer.compute_rewards(rollout))
+    stats = trainer.ppo_update(rollout, advantages)
     torch.testing.assert_close(stats["val/ratio"][:2], torch.ones(2), atol=1e-5, rtol=0)
 
 

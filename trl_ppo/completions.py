@@ -6,9 +6,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import ppo
-from .rewards import decode_texts
-from .rollout import Rollout, chunks
+from .data import prompts_on_device
+from .models import PreparedModels
+from .rewards import Scoring, decode_texts
+from .rollout import Sampling, chunks, sample_rollout
 
 
 def print_table(rows: list[dict], title: str, max_rows: int = 10) -> None:
@@ -43,37 +44,30 @@ def show_table(rows: list[dict], title: str, report_to, step: int, key: str = "c
         log_table_to_wandb(rows, step=step, key=key)
 
 
-class CompletionsMixin:
-    """`generate_completions` for `PPOTrainer`: sample, score and show completions of evaluation prompts."""
-
-    @torch.no_grad()
-    def generate_completions(self, sampling: bool = False) -> list[dict]:
-        """Sample completions for evaluation prompts and show them with their scores.
-
-        With `sampling=True` (during training) only the first `per_device_eval_batch_size` prompts are used;
-        otherwise the whole `eval_dataset` (or, without one, the first prompts of `train_dataset`).
-        Returns the rows shown: `query`, `model response`, `score`.
-        """
-        args = self.args
-        dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
-        count = min(
-            len(dataset), args.per_device_eval_batch_size if sampling or self.eval_dataset is None else len(dataset)
+@torch.no_grad()
+def sample_completions(
+    dataset,
+    count: int,
+    batch_size: int,
+    collate,
+    models: PreparedModels,
+    sampling: Sampling,
+    scoring: Scoring,
+    where: str,
+) -> list[dict]:
+    """Sample and score a completion for each of the first `count` prompts of `dataset`, `batch_size` at a time
+    -> rows of `query`, `model response` and `score` (every process its own rows). `where` labels reward errors."""
+    tokenizer = scoring.tokenizer
+    rows = []
+    for part in chunks(count, batch_size):
+        batch = collate([dataset[i] for i in range(part.start, part.stop)])
+        queries, query_mask = prompts_on_device(batch, models.accelerator.device, sampling.pad_token_id)
+        rollout = sample_rollout(models, queries, query_mask, sampling)
+        scores, _ = scoring(rollout, batch, where)
+        texts = zip(
+            decode_texts(tokenizer, queries, query_mask),
+            decode_texts(tokenizer, rollout.responses, rollout.response_mask),
+            scores.tolist(),
         )
-        rows = []
-        for part in chunks(count, args.per_device_eval_batch_size):
-            batch = self.data_collator([dataset[i] for i in range(part.start, part.stop)])
-            queries, query_mask = self._prompts_of(batch)
-            responses = self._sample(queries, query_mask)
-            rollout = Rollout(
-                queries, query_mask, responses, ppo.response_mask_after_stop(responses, self.stop_token_id)
-            )
-            scores, _ = self.score(rollout, batch)
-            texts = zip(
-                decode_texts(self.processing_class, queries, query_mask),
-                decode_texts(self.processing_class, responses, rollout.response_mask),
-                scores.tolist(),
-            )
-            rows.extend({"query": q, "model response": r, "score": s} for q, r, s in texts)
-        if self.accelerator.is_main_process:
-            show_table(rows, f"Completions at update {self.state.global_step}", args.report_to, self.state.global_step)
-        return rows
+        rows.extend({"query": q, "model response": r, "score": s} for q, r, s in texts)
+    return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -122,3 +123,84 @@ def fit_prompts(dataset, max_prompt_length: int | None, response_length: int, co
             f"{max(context_length - response_length, 0)} to cut long prompts, or lower `response_length`."
         )
     return dataset
+
+
+def shared_order_loader(dataset, args, collate, num_processes: int, process_index: int):
+    """This process's batches of `local_batch_size` prompts, in the order seeded by `data_seed` (else `seed`)
+    that all processes share -> (DataLoader, its `SharedOrderBatchSampler`, whose position can be set)."""
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    sampler = SharedOrderBatchSampler(len(dataset), args.local_batch_size, num_processes, process_index, seed)
+    # Its own generator: starting an iterator draws a seed, which must not consume the global RNG (a resumed
+    # run starts its iterator at another moment than the run it continues).
+    generator = torch.Generator().manual_seed(seed)
+    loader = DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=args.dataloader_num_workers, generator=generator
+    )
+    return loader, sampler
+
+
+def prepare_prompts(dataset, tokenizer, args, context_length: int | None, name: str):
+    """A dataset of prompts as the trainer uses it: `input_ids` on every row (`prepare_prompt_dataset`), not empty,
+    cut to `max_prompt_length` and checked against the model's context (`fit_prompts`). None stays None."""
+    dataset = prepare_prompt_dataset(dataset, tokenizer, args.dataset_num_proc)
+    if dataset is not None and len(dataset) == 0:
+        raise ValueError(f"`{name}` is empty: PPO needs prompts to sample from.")
+    return fit_prompts(dataset, args.max_prompt_length, args.response_length, context_length, name)
+
+
+def check_datasets(args, train_dataset, eval_dataset) -> None:
+    """Refuse, before any compute, datasets that do not fit the config's training and evaluation settings."""
+    if args.eval_strategy == "epoch":
+        raise ValueError(
+            "`eval_strategy='epoch'` is not supported: PPO counts updates, not epochs. Use `eval_strategy='steps'` "
+            "with `eval_steps` (in updates)."
+        )
+    if (args.eval_strategy != "no" or args.eval_on_start) and eval_dataset is None:
+        strategy = getattr(args.eval_strategy, "value", args.eval_strategy)
+        raise ValueError(
+            f"`eval_strategy={strategy}` (or `eval_on_start`) evaluates on `eval_dataset`, and none was given: "
+            "pass one, or set `eval_strategy='no'`."
+        )
+    if train_dataset is None and args.total_episodes is None:
+        raise ValueError(
+            "Without a `train_dataset` (the `step()` API), set `total_episodes`: it fixes the number of updates "
+            "that the learning-rate schedule spans."
+        )
+
+
+def check_one_batch(train_dataset, batch_size: int) -> None:
+    """Refuse a training set smaller than one global batch (`batch_size`, known once the processes are)."""
+    if train_dataset is not None and len(train_dataset) < batch_size:
+        raise ValueError(
+            f"`train_dataset` has {len(train_dataset)} prompts, fewer than one batch (`batch_size` = "
+            f"{batch_size} = per_device_train_batch_size * gradient_accumulation_steps * world_size): "
+            "add prompts or lower the batch size."
+        )
+
+
+def prompts_on_device(batch: dict, device: torch.device, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt ids `[B, Lq]`, prompt mask `[B, Lq]` bool) of a collated batch on `device`, checked to be
+    left-padded (the response is appended after the last column)."""
+    queries = batch["input_ids"].to(device)
+    if "attention_mask" in batch:
+        query_mask = batch["attention_mask"].to(queries.device).bool()
+    else:
+        query_mask = queries != pad_token_id
+    if not bool(query_mask[:, -1].all()):
+        raise ValueError(
+            "Prompts must be left-padded (the response is appended after the last column), but this batch has "
+            "padding at the end: use the default collator, or a tokenizer with `padding_side='left'`."
+        )
+    return queries, query_mask
+
+
+def batches_forever(dataloader, sampler: SharedOrderBatchSampler, run_state):
+    """Batches of `dataloader` from `run_state.data_position` = (epoch, batches already taken in it) on, epoch
+    after epoch, advancing the position as each batch is taken (so a checkpoint knows where to continue)."""
+    while True:
+        epoch, start = run_state.data_position
+        sampler.epoch, sampler.start_batch = epoch, start
+        for taken, batch in enumerate(dataloader, start=start + 1):
+            run_state.data_position = (epoch, taken)
+            yield batch
+        run_state.data_position = (epoch + 1, 0)

@@ -138,6 +138,24 @@ def prepare_frozen_model(model: nn.Module, accelerator) -> tuple[nn.Module, obje
     return engine.module, engine
 
 
+def place_frozen_models(ref_model: nn.Module | None, rewards: list, accelerator) -> tuple[nn.Module | None, list]:
+    """Place the frozen reference and reward models for inference (`prepare_frozen_model`, after `freeze`): the
+    reward models in place (`reward.source`) -> (the reference, the ZeRO-3 engines whose hooks they need)."""
+    from .models import freeze
+
+    engines = []
+
+    def place(model: nn.Module) -> nn.Module:
+        module, engine = prepare_frozen_model(freeze(model), accelerator)
+        engines.extend([engine] if engine is not None else [])
+        return module
+
+    for reward in rewards:
+        if reward.is_model:
+            reward.source = place(reward.source)
+    return (None if ref_model is None else place(ref_model)), engines
+
+
 def deepspeed_weights_dtype(accelerator) -> torch.dtype | None:
     """The dtype DeepSpeed keeps the trained weights in (bf16 / fp16 when enabled in its config), else None."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config

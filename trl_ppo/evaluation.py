@@ -1,7 +1,7 @@
-"""Evaluation: sample a response to every prompt of `eval_dataset` and report how the policy does there.
+"""Evaluation: sample a response to every prompt of an evaluation set and measure how the policy does there.
 
-TRL's last PPO trainer had none (its `evaluate()` crashed and `eval_strategy` was ignored); here `evaluate()`
-works alone and `eval_strategy` / `eval_steps` run it during `train()`.
+TRL's last PPO trainer had none (its `evaluate()` crashed and `eval_strategy` was ignored); here
+`PPOTrainer.evaluate()` works alone and `eval_strategy` / `eval_steps` run it during `train()`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ import math
 
 import torch
 
+from . import ppo
 from .metrics import reward_metrics
-from .rollout import chunks
+from .models import PreparedModels
+from .rewards import Scoring
+from .rollout import Sampling, chunks, collect_rollout
 
 
 def process_share(dataset_length: int, num_processes: int, process_index: int) -> tuple[list[int], list[bool]]:
@@ -23,70 +26,48 @@ def process_share(dataset_length: int, num_processes: int, process_index: int) -
     return [p % dataset_length for p in positions], [p < dataset_length for p in positions]
 
 
-class EvaluationMixin:
-    """`evaluate` for `PPOTrainer`."""
+@torch.no_grad()
+def evaluation_metrics(
+    dataset, collate, models: PreparedModels, sampling: Sampling, scoring: Scoring, args, where: str
+) -> dict[str, float]:
+    """Sample one response to every prompt of `dataset` (prepared prompts), score it, and return over all
+    processes (unprefixed): `objective/scores` (and `objective/scores/<reward>`), `objective/kl` (summed per
+    sequence, the training penalty's estimator), `val/mean_response_length` and `val/stop_token_frac` (responses
+    ending with `sampling.stop_token_id`, else EOS: `scoring.penalty_token_id`). `where` labels reward errors."""
+    accelerator = models.accelerator
+    indices, counted = process_share(len(dataset), accelerator.num_processes, accelerator.process_index)
+    totals, per_reward = torch.zeros(5, device=accelerator.device), {}
+    stop_token_id = sampling.stop_token_id if sampling.stop_token_id is not None else scoring.penalty_token_id
+    was_training = models.model.training
+    models.model.eval()
+    for part in chunks(len(indices), args.per_device_eval_batch_size):
+        batch = collate([dataset[i] for i in indices[part]])
+        valid = torch.tensor(counted[part], device=accelerator.device)
+        rollout = collect_rollout(batch, models, sampling, args)
+        scores, scores_per_reward = scoring(rollout, batch, where)
+        mask = rollout.response_mask
+        kl = ppo.per_token_kl(
+            rollout.logprobs, rollout.ref_logprobs, mask, args.kl_penalty, args.kl_estimator, rollout.full_kl
+        )
+        stopped = ppo.contains_stop_token(rollout.responses, mask, stop_token_id).float()
+        weights = valid.float()
+        totals += torch.stack(
+            [(values.float() * weights).sum() for values in (scores, kl.sum(1), mask.sum(1).float(), stopped)]
+            + [weights.sum()]
+        )
+        for name, (values, present) in scores_per_reward.items():
+            per_reward.setdefault(name, []).append((values, valid if present is None else present & valid))
+    models.model.train(was_training)
 
-    @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Sample one response (at the training temperature) to every prompt of `eval_dataset` (default: the
-        trainer's), score it, and return and log, over all processes:
-
-        - `eval_objective/scores`: mean score (the rewards' weighted sum, EOS penalty included), and
-          `eval_objective/scores/<reward>` for each reward;
-        - `eval_objective/kl`: mean summed per-token KL to the reference (the training penalty's estimator);
-        - `eval_val/mean_response_length`: mean number of response tokens (up to and including the stop token);
-        - `eval_val/stop_token_frac`: fraction of responses that end with the stop token (EOS when none is set).
-
-        `eval` is `metric_key_prefix`; as for any `Trainer`, trackers show `eval_x` as `eval/x` (so
-        `eval/objective/scores`). Sampling uses the global RNG, as in training.
-        """
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if dataset is None:
-            raise ValueError("`evaluate()` needs prompts: pass `eval_dataset` to it or to the trainer.")
-        if eval_dataset is not None:
-            from .data import fit_prompts, prepare_prompt_dataset
-            from .models import context_length
-
-            dataset = prepare_prompt_dataset(dataset, self.processing_class, self.args.dataset_num_proc)
-            model_context = context_length(self.accelerator.unwrap_model(self.model).lm)
-            dataset = fit_prompts(
-                dataset, self.args.max_prompt_length, self.args.response_length, model_context, "eval_dataset"
-            )
-        args, accelerator = self.args, self.accelerator
-        indices, counted = process_share(len(dataset), accelerator.num_processes, accelerator.process_index)
-        totals, per_reward = torch.zeros(5, device=accelerator.device), {}
-        stop_token_id = self.stop_token_id if self.stop_token_id is not None else self.penalty_token_id
-        was_training = self.model.training
-        self.model.eval()
-        for part in chunks(len(indices), args.per_device_eval_batch_size):
-            batch = self.data_collator([dataset[i] for i in indices[part]])
-            valid = torch.tensor(counted[part], device=accelerator.device)
-            rollout = self.collect_rollout(batch)
-            scores, scores_per_reward = self.score(rollout, batch)
-            kl = self.per_token_kl(rollout).sum(1)
-            lengths = rollout.response_mask.sum(1).float()
-            stopped = ((rollout.responses == stop_token_id) & rollout.response_mask).any(1).float()
-            weights = valid.float()
-            totals += torch.stack(
-                [(values.float() * weights).sum() for values in (scores, kl, lengths, stopped)] + [weights.sum()]
-            )
-            for name, (values, present) in scores_per_reward.items():
-                per_reward.setdefault(name, []).append((values, valid if present is None else present & valid))
-        self.model.train(was_training)
-
-        score_sum, kl_sum, length_sum, stopped_sum, count = accelerator.reduce(totals, reduction="sum").tolist()
-        metrics = {
-            "objective/scores": score_sum / count,
-            "objective/kl": kl_sum / count,
-            "val/mean_response_length": length_sum / count,
-            "val/stop_token_frac": stopped_sum / count,
-        }
-        merged = {
-            name: (torch.cat([v for v, _ in parts]), torch.cat([p for _, p in parts]))
-            for name, parts in per_reward.items()
-        }
-        metrics.update(reward_metrics(merged, accelerator))
-        metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items() if "missing_scores" not in key}
-        self.log({**metrics, "episode": getattr(self.state, "episode", 0)})  # the episode places it on the curves
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+    score_sum, kl_sum, length_sum, stopped_sum, count = accelerator.reduce(totals, reduction="sum").tolist()
+    metrics = {
+        "objective/scores": score_sum / count,
+        "objective/kl": kl_sum / count,
+        "val/mean_response_length": length_sum / count,
+        "val/stop_token_frac": stopped_sum / count,
+    }
+    merged = {
+        name: (torch.cat([v for v, _ in parts]), torch.cat([p for _, p in parts])) for name, parts in per_reward.items()
+    }
+    metrics.update(reward_metrics(merged, accelerator))
+    return {key: value for key, value in metrics.items() if "missing_scores" not in key}

@@ -158,12 +158,7 @@ def _sampling_loop(
             break
         logits = step(next_tokens, positions, len(tokens))
         positions = positions + 1
-    return _pad_responses(torch.stack(tokens[:response_length], dim=1), response_length, pad_token_id)
-
-
-def _pad_responses(responses: torch.Tensor, response_length: int, pad_token_id: int) -> torch.Tensor:
-    """Right-pad responses that stopped early `[B, T <= response_length]` to `[B, response_length]`."""
-    return nn.functional.pad(responses, (0, response_length - responses.size(1)), value=pad_token_id)
+    return ppo.pad_responses(torch.stack(tokens[:response_length], dim=1), response_length, pad_token_id)
 
 
 @torch.no_grad()
@@ -206,7 +201,7 @@ def generate_with_transformers(
         **generation_kwargs,
     )
     responses = ppo.truncate_after_stop_token(output[:, queries.size(1) :], stop_token_id, pad_token_id)
-    return _pad_responses(responses, response_length, pad_token_id)
+    return ppo.pad_responses(responses, response_length, pad_token_id)
 
 
 _STATIC_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(B, length, dtype): cache}

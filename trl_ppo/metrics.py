@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import torch
 
+from . import ppo
 from .rollout import Rollout
 
 # Reported as of the latest update; every other metric is averaged over the updates since the last log.
@@ -15,30 +16,37 @@ LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates", "objecti
 @torch.no_grad()
 def update_metrics(
     rollout: Rollout,
-    kl: torch.Tensor,
-    non_score_rewards: torch.Tensor,
+    rewards: ppo.Rewards,
     update_stats: dict[str, torch.Tensor],
     scores_per_reward: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
     accelerator,
     eos_token_id: int | None,
     stop_token_id: int | None,
+    kl_coef: float,
+    lr: float,
+    report_shaped_scores: bool = False,
+    skipped_updates: int | None = None,
 ) -> dict[str, float]:
-    """PPOv2's metrics for one update, averaged (counts: summed) over all processes.
+    """PPOv2's metrics for one update, averaged (counts: summed) over all processes, with the KL coefficient and
+    learning rate it used (`objective/kl_coef`, `lr`), `objective/shaped_scores` when `report_shaped_scores`, and
+    `loss/skipped_updates` when `skipped_updates` is given.
 
-    kl, non_score_rewards `[B, T]` (zero on padding); update_stats maps a metric name to its values per
-    micro-batch `[n]`; scores_per_reward maps a reward name to `(scores [B], present [B] or None)`.
+    rewards: the rollout's KL-shaped rewards; update_stats maps a metric name to its values per micro-batch `[n]`;
+    scores_per_reward maps a reward name to `(scores [B], present [B] or None)`.
     """
     mask = rollout.response_mask
-    non_score_reward = non_score_rewards.sum(1).mean()
+    non_score_reward = rewards.non_score_rewards.sum(1).mean()
     local = {
-        "objective/kl": kl.sum(1).mean(),
+        "objective/kl": rewards.kl.sum(1).mean(),
         "objective/entropy": (-rollout.logprobs).masked_fill(~mask, 0.0).sum(1).mean(),
         "objective/non_score_reward": non_score_reward,
         "objective/rlhf_reward": non_score_reward + rollout.scores.mean(),
         "objective/scores": rollout.scores.mean(),
     }
     if stop_token_id is not None:  # how often responses run to `response_length` without stopping
-        local["val/missing_stop_token_frac"] = (~((rollout.responses == stop_token_id) & mask).any(1)).float().mean()
+        local["val/missing_stop_token_frac"] = (
+            (~ppo.contains_stop_token(rollout.responses, mask, stop_token_id)).float().mean()
+        )
     local.update({key: values.float().mean() for key, values in update_stats.items()})
     names = list(local)
     gathered = accelerator.gather(torch.stack([local[n].float() for n in names]).unsqueeze(0))
@@ -48,6 +56,11 @@ def update_metrics(
     num_eos = ((rollout.responses == eos_token_id) & mask).sum() if eos_token_id is not None else mask.new_zeros(())
     metrics["val/num_eos_tokens"] = accelerator.gather(num_eos.reshape(1).long()).sum().item()
     metrics.update(reward_metrics(scores_per_reward, accelerator))
+    if report_shaped_scores:
+        metrics["objective/shaped_scores"] = accelerator.gather(rewards.shaped_scores).mean().item()
+    metrics["objective/kl_coef"], metrics["lr"] = kl_coef, lr
+    if skipped_updates is not None:
+        metrics["loss/skipped_updates"] = skipped_updates
     return metrics
 
 

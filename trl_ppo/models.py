@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -297,3 +299,21 @@ def check_vocabularies(tokenizer, models: dict[str, nn.Module | None]) -> None:
                 f"`{role}.resize_token_embeddings(len(tokenizer))`; a reward model from another model family needs "
                 "its own tokenizer: pass it as `reward_processing_class`, and the decoded text is re-encoded for it."
             )
+
+
+@dataclass(frozen=True)
+class PreparedModels:
+    """The models of a run as the accelerator placed them: what sampling, the no-grad passes and the update call."""
+
+    accelerator: Any  # accelerate.Accelerator
+    model: nn.Module  # the trained PolicyAndValueWrapper as prepared (a DDP module or DeepSpeed engine, or itself)
+    ref_model: nn.Module | None  # None: the PEFT policy with its adapter disabled (or `ref_adapter_name`)
+
+    @property
+    def wrapper(self) -> PolicyAndValueWrapper:
+        """The `PolicyAndValueWrapper` itself, without DDP or DeepSpeed around it."""
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return getattr(self.accelerator.state, "deepspeed_plugin", None) is not None

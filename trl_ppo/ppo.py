@@ -6,6 +6,8 @@ tokens the policy produced, up to and including the stop token, and False on the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Stored in place of a log-probability on padding positions, so that a stray use is visible (a real
@@ -78,6 +80,17 @@ def response_mask_after_stop(responses: torch.Tensor, stop_token_id: int | None)
     return positions.unsqueeze(0) < lengths.unsqueeze(1)
 
 
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last response token (the stop token when there is one) of each row of a response mask
+    `[B, T]`; 0 for an empty row. -> `[B]` (long). The score is credited, and a reward model read, there."""
+    return response_mask.long().sum(-1).clamp(min=1) - 1
+
+
+def pad_responses(values: torch.Tensor, length: int, fill: float) -> torch.Tensor:
+    """Per-token values of responses `[B, T' <= length]` right-padded with `fill` to `[B, length]`."""
+    return torch.nn.functional.pad(values, (0, length - values.size(1)), value=fill)
+
+
 def truncate_after_stop_token(responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int) -> torch.Tensor:
     """Replace everything after the first stop token by `pad_token_id`. `[B, T]` -> `[B, T]`."""
     return responses.masked_fill(~response_mask_after_stop(responses, stop_token_id), pad_token_id)
@@ -101,15 +114,16 @@ def apply_missing_eos_penalty(
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs. `[B, T]` -> `[B, T]`.
 
-    With `log_ratio = ref_logprobs - logprobs` (log of r = pi_ref / pi):
-      k1 = -log_ratio                   (unbiased, can be negative per token)
-      k3 = (r - 1) - log_ratio          (unbiased, never negative, lower variance)
+    With `log_ratio = logprobs - ref_logprobs` (log pi / pi_ref, the convention of every function here):
+      k1 = log_ratio                             (unbiased, can be negative per token)
+      k3 = (pi_ref / pi - 1) + log_ratio         (unbiased, never negative, lower variance)
+    See http://joschu.net/blog/kl-approx.html.
     """
-    log_ratio = ref_logprobs - logprobs
+    log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
-        return -log_ratio
+        return log_ratio
     if estimator == "k3":
-        return torch.expm1(log_ratio) - log_ratio
+        return torch.expm1(-log_ratio) + log_ratio
     raise ValueError(f"Unknown kl_estimator {estimator!r}: use 'k1' or 'k3'.")
 
 
@@ -142,6 +156,41 @@ def full_kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch
     return (logp.exp() * (logp - ref_logp)).sum(-1)
 
 
+def per_token_kl(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    penalty: str = "kl",
+    estimator: str = "k1",
+    full_kl: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The per-token KL term of the rewards `[B, T]`, zero on padding: `kl_penalty(penalty, estimator)` of the
+    log-probs `[B, T]`, or, for `penalty="full"`, the exact `full_kl` `[B, T]` computed from the logits."""
+    kl = full_kl if penalty == "full" else kl_penalty(logprobs, ref_logprobs, penalty, estimator)
+    return kl.masked_fill(~response_mask, 0.0)
+
+
+@dataclass
+class Rewards:
+    """Per-token rewards of one rollout and their parts. `B` episodes, `T` response tokens; zero on padding."""
+
+    rewards: torch.Tensor  # [B, T] -kl_coef * kl on every token, plus the shaped score on the last one
+    kl: torch.Tensor  # [B, T] the per-token KL term
+    non_score_rewards: torch.Tensor  # [B, T] -kl_coef * kl
+    shaped_scores: torch.Tensor  # [B] the scores as the rewards use them (after scaling and clipping)
+
+
+def kl_shaped_rewards(
+    shaped_scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float, whiten: bool = False
+) -> Rewards:
+    """`per_token_rewards`, whitened (scale only, no mean shift) over the response tokens when `whiten`.
+    shaped_scores `[B]`, kl and response_mask `[B, T]` -> `Rewards`."""
+    rewards, non_score_rewards = per_token_rewards(shaped_scores, kl, response_mask, kl_coef)
+    if whiten:
+        rewards = masked_whiten(rewards, response_mask, shift_mean=False).masked_fill(~response_mask, 0.0)
+    return Rewards(rewards, kl, non_score_rewards, shaped_scores)
+
+
 def per_token_rewards(
     scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,9 +203,9 @@ def per_token_rewards(
     both zero outside the mask.
     """
     non_score_rewards = (-kl_coef * kl).masked_fill(~response_mask, 0.0)
-    last_index = response_mask.long().sum(-1).clamp(min=1) - 1
     rewards = non_score_rewards.clone()
-    rewards[torch.arange(rewards.size(0), device=rewards.device), last_index] += scores.to(rewards.dtype)
+    rows = torch.arange(rewards.size(0), device=rewards.device)
+    rewards[rows, last_token_index(response_mask)] += scores.to(rewards.dtype)
     return rewards, non_score_rewards
 
 
@@ -238,6 +287,24 @@ def compute_gae(
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = advantages + values
     return advantages.masked_fill(~response_mask, 0.0), returns.masked_fill(~response_mask, 0.0)
+
+
+@dataclass
+class Advantages:
+    """What the update optimises towards, for one rollout: both `[B, T]`, zero on padding."""
+
+    advantages: torch.Tensor  # GAE advantages, whitened over the response tokens
+    returns: torch.Tensor  # advantages (before whitening) + values: the value function's targets
+
+
+def advantages_and_returns(
+    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+) -> Advantages:
+    """`compute_gae`, then the advantages whitened (zero mean, unit variance over the response tokens).
+    rewards, values, response_mask `[B, T]` -> `Advantages`."""
+    advantages, returns = compute_gae(rewards, values, response_mask, gamma, lam)
+    advantages = masked_whiten(advantages, response_mask).masked_fill(~response_mask, 0.0)
+    return Advantages(advantages, returns)
 
 
 # ----------------------------------------------------------------------------------------------------- losses

@@ -165,3 +165,23 @@ def model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def show_progress(callbacks: list, metrics: dict) -> None:
+    """Episodes, episodes/s, score and KL of the last update beside the progress bar (`ProgressCallback`'s)."""
+    for callback in callbacks:
+        bar = getattr(callback, "training_bar", None)
+        if bar is not None:
+            bar.set_postfix(
+                episode=metrics["episode"],
+                eps=metrics["eps"],
+                score=f"{metrics['objective/scores']:.3g}",
+                kl=f"{metrics['objective/kl']:.3g}",
+            )
+
+
+def save_run_log(output_dir: str, state) -> None:
+    """The run's `trainer_state.json` (every logged metric) and its curves, for `trl-ppo plot` and people."""
+    os.makedirs(output_dir, exist_ok=True)
+    state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
+    plot_curves(state.log_history, os.path.join(output_dir, PLOT_FILE))

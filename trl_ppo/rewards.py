@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -112,7 +113,7 @@ def decode_texts(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
 @torch.no_grad()
 def reward_model_scores(reward_model: nn.Module, rollout: Rollout, chunk_size: int) -> torch.Tensor:
     """Reward model output at the last response token (the stop token when there is one). -> `[B]`."""
-    last_index = rollout.queries.size(1) + rollout.response_mask.long().sum(-1).clamp(min=1) - 1
+    last_index = rollout.queries.size(1) + ppo.last_token_index(rollout.response_mask)
     return _scores_at(reward_model, rollout.input_ids, rollout.attention_mask, last_index, chunk_size)
 
 
@@ -240,3 +241,45 @@ def compute_scores(
         has_stop = ppo.contains_stop_token(rollout.responses, rollout.response_mask, penalty_token_id)
         combined = ppo.apply_missing_eos_penalty(combined, has_stop, missing_eos_penalty)
     return combined, per_reward
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a run scores its episodes: `compute_scores` with the run's rewards and settings, under the run's
+    mixed precision, its errors labelled with where they happened."""
+
+    rewards: list[Reward]
+    tokenizer: Any  # the policy's
+    chunk_size: int  # `local_rollout_forward_batch_size`
+    penalty_token_id: int | None
+    missing_eos_penalty: float | None
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+    @classmethod
+    def from_config(cls, rewards, tokenizer, args, penalty_token_id: int | None, autocast) -> "Scoring":
+        chunk_size = args.local_rollout_forward_batch_size
+        return cls(rewards, tokenizer, chunk_size, penalty_token_id, args.missing_eos_penalty, autocast)
+
+    def __call__(self, rollout: Rollout, batch: dict, where: str) -> tuple[torch.Tensor, dict]:
+        """Scores `[B]` of the rollout of a collated `batch` (its other columns go to reward functions) and,
+        per reward name, `(scores [B], present [B] or None)`. A reward's error is prefixed with `where`."""
+        columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
+        with self.autocast(), _labelled_errors(where):
+            return compute_scores(
+                self.rewards,
+                rollout,
+                self.tokenizer,
+                columns,
+                self.chunk_size,
+                self.penalty_token_id,
+                self.missing_eos_penalty,
+            )
+
+
+@contextlib.contextmanager
+def _labelled_errors(where: str):
+    """Prefix a reward error (`ValueError`) with where it happened, e.g. "Update 3"."""
+    try:
+        yield
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from error

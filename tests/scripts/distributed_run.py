@@ -53,7 +53,8 @@ def full_weights(trainer) -> dict:
 
 
 def count_sampling_gathers(trainer) -> list[int]:
-    """Count DeepSpeed's all-gathers inside each `_sample` call (one entry per call; empty without DeepSpeed)."""
+    """Count DeepSpeed's all-gathers inside each sampling call (`rollout.sample_responses`; one entry per call;
+    empty without DeepSpeed)."""
     counts = []
     if not trainer.is_deepspeed_enabled:
         return counts
@@ -67,7 +68,9 @@ def count_sampling_gathers(trainer) -> list[int]:
             return _function(*args, **kwargs)
 
         setattr(backend, name, counted)
-    sample = trainer._sample
+    from trl_ppo import rollout
+
+    sample = rollout.sample_responses
 
     def counted_sample(*args, **kwargs):
         before = calls[0]
@@ -75,7 +78,7 @@ def count_sampling_gathers(trainer) -> list[int]:
         counts.append(calls[0] - before)
         return responses
 
-    trainer._sample = counted_sample
+    rollout.sample_responses = counted_sample
     return counts
 
 

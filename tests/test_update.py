@@ -1,0 +1,113 @@
+"""The PPO update loop's own decisions, on values small enough to check by hand: the loss divisor per pass and the
+verdict of each minibatch's guards (`update.py`); and that `transformers`' Accelerator settings cannot scale the
+loss a second time."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import build_trainer
+
+from trl_ppo.update import Verdict, judge_minibatch, loss_divisor, shuffled_minibatches
+
+
+class OneProcess:
+    """What `judge_minibatch` reads of an Accelerator, for one process."""
+
+    num_processes = 1
+
+    def reduce(self, tensor, reduction="sum"):
+        return tensor
+
+
+def settings(**overrides):
+    values = dict(ratio_threshold=None, early_stopping=False, target_kl=1.0)
+    return SimpleNamespace(**{**values, **overrides})
+
+
+def stats(policy_losses=(0.1, 0.2), ratios=(1.0, 1.0), approxkl=(0.0, 0.0)):
+    as_list = lambda values: [torch.tensor(v) for v in values]  # noqa: E731
+    return {
+        "loss/policy_avg": as_list(policy_losses),
+        "loss/value_avg": as_list([0.5] * len(policy_losses)),
+        "val/ratio": as_list(ratios),
+        "policy/approxkl_avg": as_list(approxkl),
+    }
+
+
+def test_loss_divisor_is_the_minibatch_count_or_deepspeeds_pass_count():
+    # 4 micro-batches per minibatch in passes of 2: each pass's summed loss / 4, so two passes give the mean.
+    assert loss_divisor(micro_batches_in_pass=2, micro_batches_in_minibatch=4, deepspeed=False) == 4
+    # DeepSpeed divides by its gradient_accumulation_steps (2 passes) itself: / 2 here, / 2 there = / 4.
+    assert loss_divisor(micro_batches_in_pass=2, micro_batches_in_minibatch=4, deepspeed=True) == 2
+
+
+def test_minibatch_verdicts():
+    accelerator = OneProcess()
+    assert judge_minibatch(stats(), accelerator, settings(), update=1) is Verdict.STEP
+    assert judge_minibatch(stats((0.1, float("nan"))), accelerator, settings(), 1) is Verdict.NONFINITE
+    # Mean ratio 1.5 > 1.4: skipped; the non-finite check comes first.
+    assert judge_minibatch(stats(ratios=(1.0, 2.0)), accelerator, settings(ratio_threshold=1.4), 1) is Verdict.SKIP
+    nan_and_high = stats((float("inf"), 0.1), ratios=(1.0, 2.0))
+    assert judge_minibatch(nan_and_high, accelerator, settings(ratio_threshold=1.4), 1) is Verdict.NONFINITE
+    # Mean approximate KL 0.2 > 1.5 * 0.1: stop; at 0.1 * 1.5 = 0.15 < 0.2 too, at target 0.2 (0.3) not.
+    early = settings(early_stopping=True, target_kl=0.1)
+    assert judge_minibatch(stats(approxkl=(0.1, 0.3)), accelerator, early, 1) is Verdict.STOP
+    assert judge_minibatch(
+        stats(approxkl=(0.1, 0.3)), accelerator, settings(early_stopping=True, target_kl=0.2), 1
+    ) is (Verdict.STEP)
+    assert [v.ends_update for v in Verdict] == [False, False, True, True]
+
+
+def test_minibatches_cover_every_episode_once_per_epoch():
+    args = SimpleNamespace(num_ppo_epochs=3, local_batch_size=8, local_mini_batch_size=4)
+    torch.manual_seed(0)
+    minibatches = list(shuffled_minibatches(args, torch.device("cpu")))
+    assert len(minibatches) == 6 and all(len(m) == 4 for m in minibatches)
+    for epoch in range(3):
+        assert sorted(torch.cat(minibatches[2 * epoch : 2 * epoch + 2]).tolist()) == list(range(8))
+
+
+def _policy_after_one_update(trainer):
+    trainer.train()
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    return {name: value.detach().clone() for name, value in policy.state_dict().items()}
+
+
+def test_an_accelerator_built_with_gradient_accumulation_does_not_scale_the_loss_twice(
+    make_config, tokenizer, load_models, prompt_dataset, monkeypatch
+):
+    """Some transformers versions (5.5.0 for one) give `Accelerator` `gradient_accumulation_steps`, whose
+    `backward` then divides the loss by it: with SGD the step would be that many times too small."""
+    from transformers import Trainer
+
+    config = dict(
+        total_episodes=8, gradient_accumulation_steps=2, num_ppo_epochs=1, optim="sgd", max_grad_norm=0.0, seed=5
+    )
+    expected = _policy_after_one_update(build_trainer(make_config(**config), tokenizer, load_models, prompt_dataset))
+
+    original = Trainer.create_accelerator_and_postprocess
+
+    def as_in_older_versions(self):
+        original(self)
+        self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
+
+    monkeypatch.setattr(Trainer, "create_accelerator_and_postprocess", as_in_older_versions)
+    trainer = build_trainer(make_config(**config), tokenizer, load_models, prompt_dataset)
+    changed = _policy_after_one_update(trainer)
+    for name in expected:
+        torch.testing.assert_close(changed[name], expected[name], rtol=0, atol=0, msg=name)
+    assert trainer.accelerator.gradient_accumulation_steps == 1
+
+
+def test_a_skipped_update_still_steps_the_schedule(make_config, tokenizer, load_models, prompt_dataset):
+    """Decided: the learning-rate schedule follows the update count, skipped (non-finite) updates included, so a
+    run ends its schedule where it was planned to and `lr` at update k is the schedule's value at k."""
+    config = make_config(total_episodes=24, skip_nonfinite_updates=True, learning_rate=1e-3, lr_scheduler_type="linear")
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
+    head = trainer.accelerator.unwrap_model(trainer.model).value_model.score
+    head.register_forward_hook(lambda m, i, out: out * float("nan") if torch.is_grad_enabled() else out)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "lr" in entry]
+    assert [entry["loss/skipped_updates"] for entry in logs] == [1, 2, 3]
+    assert [entry["lr"] for entry in logs] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])

@@ -1,0 +1,41 @@
+"""Preemption: SIGTERM / SIGINT turned into a request that the training loop honours between the steps of an
+update (all processes agreeing), so that the run stops at a point it can resume from exactly."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+
+
+class PreemptionHandler:
+    """While active, SIGTERM and SIGINT only set `requested`; the trainer checks it between the steps of an
+    update, writes a checkpoint and exits. A second SIGINT interrupts at once (the usual KeyboardInterrupt)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+
+    def __enter__(self) -> "PreemptionHandler":
+        if threading.current_thread() is threading.main_thread():  # signals can only be caught there
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+
+def stop_requested(preemption: PreemptionHandler, accelerator) -> bool:
+    """Whether any process got SIGTERM/SIGINT (all processes must stop at the same point)."""
+    flag = torch.tensor([1.0 if preemption.requested else 0.0], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)

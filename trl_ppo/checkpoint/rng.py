@@ -1,0 +1,38 @@
+"""The random number generators of a process: captured at the start of each update, saved one file per process
+in a checkpoint, restored on resume (python, numpy, torch CPU and CUDA)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+
+
+def capture_rng_state() -> dict:
+    """Every RNG this process draws from (python, numpy, torch CPU and CUDA)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+
+
+def rng_file(folder: str, process_index: int) -> str:
+    return os.path.join(folder, f"rng_state_{process_index}.pth")
+
+
+def load_rng_state(folder: str, process_index: int) -> None:
+    path = rng_file(folder, process_index)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a run with fewer processes.")
+    # The file holds numpy/python RNG tuples, which the safe loader does not know.
+    restore_rng_state(torch.load(path, weights_only=False))

@@ -1,0 +1,53 @@
+"""Loading the trained models' weights back from a checkpoint into the models of a resumed run."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from ..models import PreparedModels
+from ..value_head import VALUE_HEAD_FILE, is_value_head_model
+
+
+def load_trained_weights(path: str, models: PreparedModels) -> None:
+    """The policy's and the value model's weights of checkpoint `path` into `models`; under DeepSpeed, each
+    process's partition of the weights and optimizer state (DeepSpeed's own `global_step*/` files)."""
+    if models.is_deepspeed:
+        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+        deepspeed_load_checkpoint(models.model, path)
+        return
+    load_weights_into(models.wrapper.policy, path)
+    if models.wrapper.value_model is not None:
+        load_weights_into(models.wrapper.value_model, os.path.join(path, "value_model"))
+
+
+def has_deepspeed_state(path: str) -> bool:
+    return bool(glob.glob(os.path.join(path, "global_step*")))
+
+
+def load_weights_into(model: torch.nn.Module, folder: str) -> None:
+    """Load weights written by `save_pretrained` (a PEFT adapter, or a full model) into `model` in place.
+
+    A full model is read back through its class's `from_pretrained`, which knows how the saved names map onto
+    the in-memory ones (they differ for some architectures); this holds a second copy in CPU memory for a moment.
+    """
+    from safetensors.torch import load_file
+
+    if is_value_head_model(model):  # the causal LM as below, then its head
+        load_weights_into(model.pretrained_model, folder)
+        if not model.load_value_head(folder):
+            raise FileNotFoundError(f"{folder} has no {VALUE_HEAD_FILE}: it was not written by a value-head policy.")
+        return
+    adapter = os.path.join(folder, "adapter_model.safetensors")
+    if os.path.isfile(adapter):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(adapter))
+        return
+    dtype = next(model.parameters()).dtype
+    saved = type(model).from_pretrained(folder, dtype=dtype)
+    model.load_state_dict(saved.state_dict(), strict=True)
+    del saved

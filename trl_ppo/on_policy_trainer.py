@@ -1,0 +1,182 @@
+"""`OnPolicyTrainer`: a `transformers.Trainer` whose training loop is the subclass's own (`PPOTrainer.train`),
+and everything such a loop needs besides its algorithm: the run's mutable state (`RunState`) created, counted,
+logged and checkpointed; resuming; preemption; the per-process data order; saving the policy.
+
+It reads only what it defines itself or what `transformers.Trainer` defines, and a subclass uses it through
+`run`, `state`, `_begin_training`, `_end_update`, `_end_training` and the checkpoint methods.
+"""
+
+from __future__ import annotations
+
+import time
+
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import TrainOutput
+from transformers.utils import logging
+
+from . import checkpoint as ckpt
+from . import data, reporting, saving
+from . import distributed as dist
+from .checkpoint.trainer_files import exportable_callbacks, restore_trainer_checkpoint, write_trainer_checkpoint
+from .config import compute_batch_sizes
+from .models import PreparedModels
+from .run_state import PPOTrainerState, RunState
+
+logger = logging.get_logger(__name__)
+
+
+class OnPolicyTrainer(Trainer):
+    """`transformers.Trainer` for on-policy RL: the subclass writes the updates, this class keeps their books."""
+
+    def __init__(
+        self, args, tokenizer, wrapper, train_dataset, eval_dataset, collator, callbacks, optimizers, fingerprints
+    ):
+        """`Trainer.__init__` with `wrapper` (the trained models as one module) as its model; then the batch sizes,
+        which need the number of processes it found, a fresh `PPOTrainerState` and `RunState`, and the run's
+        identity for resuming (the batch layout and the initial models' `fingerprints`)."""
+        use_cache = getattr(wrapper.config, "use_cache", None)
+        # The `world_size` field shadows `TrainingArguments.world_size`, which DeepSpeed's set-up in `Trainer` reads.
+        args.world_size = TrainingArguments.world_size.fget(args)
+        super().__init__(
+            model=wrapper,
+            args=args,
+            data_collator=collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        if use_cache is not None:  # `Trainer` sets it from `args.use_cache`; keep the saved policy's own value
+            wrapper.config.use_cache = use_cache
+        # The update divides its losses itself (`update.loss_divisor`); some transformers versions (5.5.0, for
+        # one) build the Accelerator with `gradient_accumulation_steps`, whose `backward` would divide again.
+        self.accelerator.gradient_accumulation_steps = 1
+        compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset or ()))
+        data.check_one_batch(train_dataset, args.batch_size)
+        self.state = self._new_trainer_state()
+        self._new_run_state()
+        self._run_identity = ckpt.run_identity(args, fingerprints)
+        self._training_active = False
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """`Trainer`'s `Accelerator` arguments, plus the process group that `--ddp_backend` / `--ddp_timeout` ask
+        for (`Trainer` passes them only to its own device setup, which DeepSpeed bypasses). Overrides a private
+        method of `Trainer`, as no public hook exists; checked against transformers 5.23."""
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        handler = dist.process_group_kwargs(self.args.ddp_backend, self.args.ddp_timeout)
+        if handler is not None:
+            accelerator_args["kwargs_handlers"] = [*accelerator_args.get("kwargs_handlers", []), handler]
+        return accelerator_args
+
+    def get_train_dataloader(self):
+        """This process's batches of `local_batch_size` prompts, in a seeded order shared by all processes."""
+        accelerator = self.accelerator
+        loader, self._sampler = data.shared_order_loader(
+            self.train_dataset, self.args, self.data_collator, accelerator.num_processes, accelerator.process_index
+        )
+        return loader
+
+    def _models(self) -> PreparedModels:
+        """The trained model as prepared (and no reference: a subclass with one overrides this)."""
+        return PreparedModels(self.accelerator, self.model, None)
+
+    # -------------------------------------------------------------------------------------- bookkeeping
+    def _new_run_state(self) -> None:
+        """The one place a run's mutable state is created (at construction, and afresh by each `train()`)."""
+        self.run = RunState(kl_coef=self.args.kl_coef)
+
+    def _new_trainer_state(self, log_history: list | None = None) -> PPOTrainerState:
+        return PPOTrainerState(
+            is_local_process_zero=self.is_local_process_zero(),
+            is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=exportable_callbacks(self),
+            log_history=log_history or [],
+        )
+
+    def _begin_training(self, checkpoint: str | None) -> None:
+        """A fresh run state and trainer state, or those of `checkpoint`; then the callbacks' `on_train_begin`."""
+        args = self.args
+        earlier_logs = self.state.log_history  # e.g. an `evaluate()` before training: kept in a fresh run
+        self._new_run_state()
+        self.state = self._new_trainer_state(earlier_logs if checkpoint is None else None)
+        if checkpoint is not None:
+            self._restore_checkpoint(checkpoint)
+        epochs = args.total_episodes / len(self.train_dataset) if self.train_dataset is not None else 1.0
+        self.state.init_training_references(self, args.num_total_batches, epochs, None)
+        self.state.compute_steps(args, args.num_total_batches)
+        self._start_time, self._start_episode = time.time(), self.state.episode
+        self.model.train()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self._training_active = True
+
+    def _end_update(self, metrics: dict) -> dict:
+        """Count the update and its episodes, then log / evaluate / save as the callbacks decide. -> `metrics`
+        with `episode` and `eps` added."""
+        args, state = self.args, self.state
+        state.episode += args.batch_size
+        state.global_step += 1
+        state.epoch = state.episode / len(self.train_dataset) if self.train_dataset is not None else 0.0
+        metrics["eps"] = int((state.episode - self._start_episode) / max(time.time() - self._start_time, 1e-9))
+        metrics["episode"] = state.episode
+        self.run.metrics_since_log.add(metrics)
+        self.run.policy_loss_sum += metrics.get("loss/policy_avg", 0.0)  # absent when the update was skipped
+        self.control = self.callback_handler.on_step_end(args, state, self.control)
+        reporting.show_progress(self.callback_handler.callbacks, metrics)
+        if self.control.should_log:
+            self.log(self.run.metrics_since_log.pop())
+        if self.control.should_evaluate:  # before saving: the checkpoint's RNG state is then after the evaluation
+            self.evaluate()
+        if self.control.should_save:
+            self._write_checkpoint()
+            self.control = self.callback_handler.on_save(args, state, self.control)
+        return metrics
+
+    def _end_training(self) -> TrainOutput:
+        self._training_active = False
+        if self.run.metrics_since_log:
+            self.log(self.run.metrics_since_log.pop())
+        if self.args.should_save:
+            reporting.save_run_log(self.args.output_dir, self.state)
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        if self.control.should_save:
+            self._write_checkpoint()
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        runtime, episodes_run = time.time() - self._start_time, self.state.episode - self._start_episode
+        metrics = {
+            "train_runtime": runtime,
+            "train_episodes_per_second": episodes_run / max(runtime, 1e-9),
+            "total_episodes": self.state.episode,
+        }
+        return TrainOutput(self.state.global_step, self.run.policy_loss_sum / max(self.state.global_step, 1), metrics)
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def _write_checkpoint(self, resume_point: ckpt.ResumePoint | None = None) -> str:
+        """`checkpoint-<update>` of the run as of now, or with an earlier `resume_point` (a dropped rollout)."""
+        resume_point = resume_point if resume_point is not None else ckpt.ResumePoint.capture(self.run)
+        path = write_trainer_checkpoint(self, resume_point, self._run_identity)
+        self.run.last_checkpoint = (self.state.global_step, path)
+        logger.info(f"Checkpoint of update {self.state.global_step} written to {path}")
+        return path
+
+    def _restore_checkpoint(self, path: str) -> None:
+        """Weights, optimizer, scheduler, trainer state, callbacks, run state and RNG of checkpoint `path`."""
+        self.state = restore_trainer_checkpoint(self, self.run, path, self._run_identity)
+        logger.warning(f"Resuming from {path}: update {self.state.global_step}, episode {self.state.episode}.")
+
+    def _exit_after_checkpoint(self, signal_name: str | None, resume_point: ckpt.ResumePoint | None) -> None:
+        step, last = self.state.global_step, self.run.last_checkpoint
+        path = last[1] if last is not None and last[0] == step else self._write_checkpoint(resume_point)
+        logger.warning(
+            f"Stopped by {signal_name or 'a signal'} after update {step} of {self.args.num_total_batches}; "
+            f"checkpoint: {path}. Resume with `train(resume_from_checkpoint=True)`."
+        )
+        raise SystemExit(0)
+
+    # ---------------------------------------------------------------------------------------------- saving
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Overrides `Trainer._save` (private: `Trainer.save_model` calls it, no public hook exists; checked
+        against transformers 5.23), which would save the policy-and-value wrapper as one model."""
+        if self.args.should_save:
+            output_dir = output_dir if output_dir is not None else self.args.output_dir
+            saving.save_policy(self._models(), self.processing_class, self.args, output_dir, state_dict)

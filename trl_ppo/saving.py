@@ -1,0 +1,94 @@
+"""The trained models on disk: the value model beside the policy, and the model card (README.md) that says how
+the policy was trained. (`PPOTrainer.save_model` writes the policy and tokenizer through `transformers.Trainer`.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers.utils import logging
+
+from .models import PreparedModels
+from .reporting import PLOT_FILE, model_card, plot_curves
+from .value_head import sub_state_dict
+
+logger = logging.get_logger(__name__)
+
+# The hyper-parameters a model card lists.
+CARD_HYPERPARAMETERS = (
+    "learning_rate",
+    "batch_size",
+    "total_episodes",
+    "num_ppo_epochs",
+    "num_mini_batches",
+    "kl_coef",
+    "kl_estimator",
+    "cliprange",
+    "cliprange_value",
+    "vf_coef",
+    "gamma",
+    "lam",
+    "response_length",
+    "temperature",
+    "missing_eos_penalty",
+    "seed",
+)
+
+
+def save_policy(models: PreparedModels, tokenizer, args, output_dir: str, state_dict: dict | None = None) -> None:
+    """The policy (or its PEFT adapter; a value head beside it), its tokenizer and the config, in the Hugging Face
+    format. `state_dict`, when given (e.g. consolidated by DeepSpeed), is the wrapper's (`policy.` / `value_model.`
+    keys)."""
+    if state_dict is not None:
+        state_dict = sub_state_dict(state_dict, "policy.")
+    os.makedirs(output_dir, exist_ok=True)
+    models.wrapper.policy.save_pretrained(output_dir, state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(output_dir)
+    torch.save(args, os.path.join(output_dir, "training_args.bin"))
+
+
+def save_value_model(models: PreparedModels, output_dir: str, should_save: bool) -> None:
+    """Write a separate value model to `output_dir` (`save_pretrained`); nothing for a value head, which is
+    saved with the policy. Under DeepSpeed the weights are consolidated first (a collective: every process)."""
+    value_model = models.wrapper.value_model
+    if value_model is None:
+        return
+    state_dict = None
+    if models.is_deepspeed:  # under ZeRO-3 only the main process receives the weights
+        try:
+            state_dict = sub_state_dict(models.accelerator.get_state_dict(models.model) or {}, "value_model.")
+        except ValueError:  # ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`
+            logger.warning(
+                f"The value model was not written to {output_dir}: under ZeRO-3 that needs "
+                "`zero3_save_16bit_model: true` in the accelerate config. A checkpoint still holds it, partitioned."
+            )
+            return
+    if should_save:
+        value_model.save_pretrained(output_dir, state_dict=state_dict)
+
+
+def write_model_card(output_dir: str, args, log_history: list[dict], lm, rewards: list, dataset: str) -> None:
+    """README.md beside the saved policy `lm`: base model, prompts (`dataset`, in words), rewards, the
+    hyper-parameters of `args`, the final metrics of `log_history` and the training curves (`training_curves.png`,
+    drawn from the log)."""
+    names = [
+        f"{reward.name} ({getattr(getattr(reward.source, 'config', None), '_name_or_path', '') or 'a model'})"
+        if reward.is_model
+        else f"{reward.name} (a function)"
+        for reward in rewards
+    ]
+    if args.reward_weights:
+        names = [f"{weight} x {name}" for weight, name in zip(args.reward_weights, names)]
+    hyperparameters = {name: getattr(args, name) for name in CARD_HYPERPARAMETERS if hasattr(args, name)}
+    final = {}
+    for entry in log_history:
+        final.update({k: v for k, v in entry.items() if k.startswith(("objective/", "eval_")) or k == "episode"})
+    plot = None
+    if any("episode" in entry for entry in log_history):
+        plot_curves(log_history, os.path.join(output_dir, PLOT_FILE), os.path.basename(os.path.abspath(output_dir)))
+        plot = PLOT_FILE
+    card = model_card(getattr(lm.config, "_name_or_path", ""), dataset, names, hyperparameters, final, plot)
+    with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
+        handle.write(card)
