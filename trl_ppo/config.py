@@ -338,12 +338,12 @@ def stop_and_penalty_tokens(args: OnPolicyConfig, tokenizer) -> tuple[int | None
     return stop_token_id, stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
 
 
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
 def validate_config(args: OnPolicyConfig) -> None:
     """Reject values that cannot work, before any model is touched. Each error names the argument and the fix."""
-
-    def fail(message: str) -> None:
-        raise ValueError(message)
-
     if args.response_length < 1:
         fail(f"`response_length` must be at least 1, got {args.response_length}.")
     if not args.temperature > 0:
@@ -375,37 +375,40 @@ def validate_config(args: OnPolicyConfig) -> None:
     if args.total_episodes is not None and args.total_episodes < 1:
         fail(f"`total_episodes` must be at least 1, got {args.total_episodes}.")
     if isinstance(args, PPOConfig):
-        if args.kl_estimator not in ("k1", "k3"):
-            fail(f"Unknown `kl_estimator` {args.kl_estimator!r}: use 'k1' or 'k3'.")
-        if args.num_ppo_epochs < 1:
-            fail(f"`num_ppo_epochs` must be at least 1, got {args.num_ppo_epochs}.")
-        if args.kl_target is not None:
-            if not args.kl_target > 0:
-                fail(f"`kl_target` must be > 0 (or None to keep `kl_coef` fixed), got {args.kl_target}.")
-            if not args.kl_coef > 0:
-                fail(
-                    f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`, got {args.kl_coef}."
-                )
-        if args.kl_penalty not in ("kl", "abs", "mse", "full"):
-            fail(f"Unknown `kl_penalty` {args.kl_penalty!r}: use 'kl', 'abs', 'mse' or 'full'.")
-        if args.kl_penalty != "kl" and args.kl_estimator != "k1":
-            fail(
-                f"`kl_penalty={args.kl_penalty!r}` replaces the KL estimator, and `kl_estimator={args.kl_estimator!r}` "
-                "asks for another one: keep `kl_estimator='k1'` (the default), or use `kl_penalty='kl'` with it."
-            )
-        if args.use_score_norm and not args.use_score_scaling:
-            fail("`use_score_norm` normalises the scaled scores: it needs `use_score_scaling=True`.")
-        if args.score_clip is not None and not args.score_clip > 0:
-            fail(f"`score_clip` must be > 0 (scores are clipped to +-score_clip), got {args.score_clip}.")
-        if not args.target_kl > 0:
-            fail(f"`target_kl` must be > 0, got {args.target_kl}.")
-        if args.ratio_threshold is not None and not args.ratio_threshold > 1:
-            fail(
-                f"`ratio_threshold` must be > 1 (the mean ratio is about 1 in a healthy minibatch), got "
-                f"{args.ratio_threshold}."
-            )
-        if args.kl_horizon < 1:
-            fail(f"`kl_horizon` must be at least 1, got {args.kl_horizon}.")
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(args, name) <= 1.0:
-                fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")
+        _validate_ppo_config(args)
+
+
+def _validate_ppo_config(args: PPOConfig) -> None:
+    """`validate_config`'s checks of PPO's own fields."""
+    if args.kl_estimator not in ("k1", "k3"):
+        fail(f"Unknown `kl_estimator` {args.kl_estimator!r}: use 'k1' or 'k3'.")
+    if args.num_ppo_epochs < 1:
+        fail(f"`num_ppo_epochs` must be at least 1, got {args.num_ppo_epochs}.")
+    if args.kl_target is not None:
+        if not args.kl_target > 0:
+            fail(f"`kl_target` must be > 0 (or None to keep `kl_coef` fixed), got {args.kl_target}.")
+        if not args.kl_coef > 0:
+            fail(f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`, got {args.kl_coef}.")
+    if args.kl_penalty not in ("kl", "abs", "mse", "full"):
+        fail(f"Unknown `kl_penalty` {args.kl_penalty!r}: use 'kl', 'abs', 'mse' or 'full'.")
+    if args.kl_penalty != "kl" and args.kl_estimator != "k1":
+        fail(
+            f"`kl_penalty={args.kl_penalty!r}` replaces the KL estimator, and `kl_estimator={args.kl_estimator!r}` "
+            "asks for another one: keep `kl_estimator='k1'` (the default), or use `kl_penalty='kl'` with it."
+        )
+    if args.use_score_norm and not args.use_score_scaling:
+        fail("`use_score_norm` normalises the scaled scores: it needs `use_score_scaling=True`.")
+    if args.score_clip is not None and not args.score_clip > 0:
+        fail(f"`score_clip` must be > 0 (scores are clipped to +-score_clip), got {args.score_clip}.")
+    if not args.target_kl > 0:
+        fail(f"`target_kl` must be > 0, got {args.target_kl}.")
+    if args.ratio_threshold is not None and not args.ratio_threshold > 1:
+        fail(
+            f"`ratio_threshold` must be > 1 (the mean ratio is about 1 in a healthy minibatch), got "
+            f"{args.ratio_threshold}."
+        )
+    if args.kl_horizon < 1:
+        fail(f"`kl_horizon` must be at least 1, got {args.kl_horizon}.")
+    for name in ("gamma", "lam"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")
