@@ -1,16 +1,20 @@
 # Two commands do all the set-up on a fresh machine; both create (or reuse) the virtual environment .venv.
 #   make demo   train the embedded default job end to end (offline, CPU, about a minute)
 #   make test   run the whole test suite (offline, CPU)
+# CI also runs `make test-oldest`: the suite without its multi-process tests, in .venv-oldest, against the oldest
+# transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
 # TORCH_SPEC picks the torch wheel: the pinned version is the CPU build served locally here; on a GPU machine
 # pip resolves the same pin to its CUDA build, or override it: make test TORCH_SPEC="torch>=2.4".
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+OLDEST_TRANSFORMERS ?= transformers==5.3.0
+OLDEST_VENV ?= .venv-oldest
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_ppo-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-oldest install clean
 
 install: $(STAMP)
 
@@ -27,5 +31,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+test-oldest:
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
+	$(OLDEST_VENV)/bin/python -m pytest -q -m "not distributed" $(ARGS)
+
 clean:
-	rm -rf $(VENV) trl_ppo_default_run
+	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run
