@@ -46,9 +46,7 @@ def evaluation_metrics(
         rollout = collect_rollout(batch, models, sampling, args)
         scores, scores_per_reward = scoring(rollout, batch, where)
         mask = rollout.response_mask
-        kl = ppo.per_token_kl(
-            rollout.logprobs, rollout.ref_logprobs, mask, args.kl_penalty, args.kl_estimator, rollout.full_kl
-        )
+        kl = rollout.per_token_kl(args.kl_penalty, args.kl_estimator)
         stopped = ppo.contains_stop_token(rollout.responses, mask, stop_token_id).float()
         weights = valid.float()
         totals += torch.stack(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import distributed as dist
 from .logprobs import ResponseOutput, position_ids_from_mask, response_logprobs
 from .value_head import AutoModelForCausalLMWithValueHead, causal_lm, is_value_head_model
 
@@ -316,4 +317,4 @@ class PreparedModels:
 
     @property
     def is_deepspeed(self) -> bool:
-        return getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
+        return dist.deepspeed_zero_stage(self.accelerator) is not None

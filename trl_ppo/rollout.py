@@ -64,6 +64,12 @@ class Rollout:
         """Attention over the prompt tokens and the response tokens up to the stop token. `[B, Lq + T]`."""
         return torch.cat([self.query_mask, self.response_mask], dim=1).long()
 
+    def per_token_kl(self, penalty: str = "kl", estimator: str = "k1") -> torch.Tensor:
+        """The KL term of the rewards `[B, T]` (`ppo.per_token_kl` of the filled log-probs, or `full_kl` with
+        `penalty="full"`), zero on padding."""
+        mask = self.response_mask
+        return ppo.per_token_kl(self.logprobs, self.ref_logprobs, mask, penalty, estimator, self.full_kl)
+
     def with_advantages(self, advantages: ppo.Advantages) -> "Rollout":
         """The same episodes carrying `advantages` and `returns` (what the update reads per minibatch)."""
         return dataclasses.replace(self, advantages=advantages.advantages, returns=advantages.returns)

@@ -191,9 +191,7 @@ class PPOTrainer(OnPolicyTrainer):
         """Per-token rewards `[B, T]`: `-kl_coef * KL` (the `kl_penalty` / `kl_estimator` term) on every response
         token, plus the shaped score on the last."""
         args, mask = self.args, rollout.response_mask
-        kl = ppo.per_token_kl(
-            rollout.logprobs, rollout.ref_logprobs, mask, args.kl_penalty, args.kl_estimator, rollout.full_kl
-        )
+        kl = rollout.per_token_kl(args.kl_penalty, args.kl_estimator)
         shaped_scores = self._shaped_scores(rollout.scores)
         return ppo.kl_shaped_rewards(shaped_scores, kl, mask, self.run.kl_coef, args.whiten_rewards)
 

@@ -114,7 +114,7 @@ def loss_divisor(micro_batches_in_pass: int, micro_batches_in_minibatch: int, de
     minibatch's micro-batch losses whatever the passes: the minibatch's micro-batch count, or under DeepSpeed,
     which itself divides by its `gradient_accumulation_steps` (= passes per minibatch,
     `distributed.fit_deepspeed_batch_layout`), the pass's. Accelerate adds no division of its own
-    (`accelerator.gradient_accumulation_steps` is 1: `PPOTrainer` sets it)."""
+    (`accelerator.gradient_accumulation_steps` is 1: `OnPolicyTrainer` sets it)."""
     return micro_batches_in_pass if deepspeed else micro_batches_in_minibatch
 
 
