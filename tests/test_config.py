@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from conftest import build_trainer
 from datasets import Dataset
 from transformers import HfArgumentParser, TrainingArguments
 
@@ -125,14 +127,44 @@ def test_derived_batch_sizes(tmp_path):
 
 
 def test_inexact_division_names_both_numbers(tmp_path):
-    config = PPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2
-    )
-    with pytest.raises(ValueError, match=r"local_mini_batch_size` \(6\).*per_device_train_batch_size` \(4\)"):
-        compute_batch_sizes(config, world_size=1, train_dataset_len=100)
     config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, num_mini_batches=2)
     with pytest.raises(ValueError, match=r"\(3\).*num_mini_batches` \(2\)"):
         compute_batch_sizes(config, world_size=1, train_dataset_len=100)
+    config = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, train_forward_batch_size=3)
+    with pytest.raises(ValueError, match=r"train_forward_batch_size` \(3\).*per_device_train_batch_size` \(2\)"):
+        compute_batch_sizes(config, world_size=1, train_dataset_len=100)
+
+
+def test_layouts_trl_accepts_are_accepted_with_its_meaning(tmp_path):
+    """TRL cuts a minibatch into micro-batches of `per_device_train_batch_size`: a minibatch smaller than that is
+    one micro-batch, and the last micro-batch may be smaller."""
+    smaller = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_mini_batches=2)
+    compute_batch_sizes(smaller, world_size=1, train_dataset_len=100)
+    assert (smaller.local_mini_batch_size, smaller.train_forward_batch_size) == (2, 2)
+    uneven = PPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=3, num_mini_batches=2
+    )
+    compute_batch_sizes(uneven, world_size=1, train_dataset_len=100)
+    assert (uneven.local_mini_batch_size, uneven.train_forward_batch_size) == (6, 4)  # micro-batches of 4 and 2
+
+
+def test_a_minibatch_smaller_than_a_micro_batch_updates_as_one_micro_batch(
+    make_config, tokenizer, load_models, prompt_dataset
+):
+    """per_device_train_batch_size=4 with minibatches of 2 (TRL's meaning) trains exactly like micro-batches of 2."""
+    weights = []
+    for per_device, accumulation in ((4, 1), (2, 2)):
+        config = make_config(
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=accumulation,
+            num_mini_batches=2,
+            total_episodes=4,
+        )
+        trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
+        trainer.train()
+        weights.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], msg=name)
 
 
 @pytest.mark.parametrize(

@@ -33,9 +33,13 @@ def test_max_prompt_length_cuts_and_says_how_many(make_config, tokenizer, load_m
     assert max(len(ids) for ids in trainer.train_dataset["input_ids"]) == 20
 
 
-def test_total_episodes_smaller_than_one_batch(make_config, tokenizer, load_models, prompt_dataset):
-    with pytest.raises(ValueError, match=r"`total_episodes` \(5\) is smaller than one batch \(`batch_size` = 8"):
-        build(make_config, tokenizer, load_models, prompt_dataset, make_config(total_episodes=5))
+def test_total_episodes_smaller_than_one_batch_trains_one_batch_as_trl_does(
+    make_config, tokenizer, load_models, prompt_dataset, caplog
+):
+    with caplog.at_level(logging.WARNING):
+        trainer = build(make_config, tokenizer, load_models, prompt_dataset, make_config(total_episodes=5))
+    assert "`total_episodes` (5) is smaller than one batch (`batch_size` = 8" in caplog.text
+    assert trainer.args.num_total_batches == 1
 
 
 def test_model_passed_as_its_own_reference(make_config, tokenizer, load_models, prompt_dataset):

@@ -294,34 +294,30 @@ def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len
         "local_batch_size = per_device_train_batch_size * gradient_accumulation_steps",
         "num_mini_batches",
     )
-    _exact_div(
-        args.local_mini_batch_size,
-        args.per_device_train_batch_size,
-        "Cannot split a minibatch into micro-batches",
-        "local_mini_batch_size",
-        "per_device_train_batch_size",
-    )
-    if args.train_forward_batch_size is None:
-        args.train_forward_batch_size = args.per_device_train_batch_size
-    _exact_div(
-        args.train_forward_batch_size,
-        args.per_device_train_batch_size,
-        "A training forward must hold whole micro-batches",
-        "train_forward_batch_size",
-        "per_device_train_batch_size",
-    )
-    _exact_div(
-        args.local_mini_batch_size,
-        args.train_forward_batch_size,
-        "Cannot split a minibatch into training forwards",
-        "local_mini_batch_size",
-        "train_forward_batch_size",
-    )
-    if args.total_episodes < args.batch_size:
-        raise ValueError(
+    # As in TRL: a minibatch is cut into micro-batches of `per_device_train_batch_size` (the last may be smaller,
+    # and a minibatch smaller than one micro-batch is one micro-batch); its loss is their losses' mean.
+    micro_batch = min(args.per_device_train_batch_size, args.local_mini_batch_size)
+    if args.train_forward_batch_size is None or args.train_forward_batch_size == args.per_device_train_batch_size:
+        args.train_forward_batch_size = micro_batch  # one micro-batch per pass
+    else:
+        _exact_div(
+            args.train_forward_batch_size,
+            micro_batch,
+            "A training forward must hold whole micro-batches",
+            "train_forward_batch_size",
+            "per_device_train_batch_size",
+        )
+        _exact_div(
+            args.local_mini_batch_size,
+            args.train_forward_batch_size,
+            "Cannot split a minibatch into training forwards",
+            "local_mini_batch_size",
+            "train_forward_batch_size",
+        )
+    if args.total_episodes < args.batch_size:  # TRL accepts it and trains one batch; so do we, but say so
+        logger.warning(
             f"`total_episodes` ({args.total_episodes}) is smaller than one batch (`batch_size` = {args.batch_size} = "
-            "per_device_train_batch_size * gradient_accumulation_steps * processes): raise `total_episodes` or "
-            "lower the batch size."
+            "per_device_train_batch_size * gradient_accumulation_steps * processes): training one batch."
         )
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
 

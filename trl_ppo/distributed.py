@@ -88,7 +88,7 @@ def fit_deepspeed_batch_layout(accelerator, train_forward_batch_size: int, local
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None:
         return
-    passes_per_step = local_mini_batch_size // train_forward_batch_size
+    passes_per_step = -(-local_mini_batch_size // train_forward_batch_size)  # the last pass may be smaller
     config = plugin.deepspeed_config
     config["train_micro_batch_size_per_gpu"] = train_forward_batch_size
     config["gradient_accumulation_steps"] = passes_per_step
