@@ -29,7 +29,7 @@ def one_update(trainer, change_rollout=None):
     if change_rollout is not None:
         change_rollout(rollout)
     advantages = trainer.compute_advantages(rollout, trainer.compute_rewards(rollout))
-    return trainer.ppo_update(rollout, advantages)
+    return trainer.ppo_update(rollout, advantages).stats
 
 
 # ------------------------------------------------------------------------------------------- score shaping

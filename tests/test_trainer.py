@@ -53,7 +53,7 @@ def test_first_minibatch_ratio_is_one(arch, make_config, tokenizer, load_models,
     rollout = one_rollout(trainer)
     assert rollout.query_mask.sum(1).unique().numel() > 1  # prompts of different lengths
     advantages = trainer.compute_advantages(rollout, trainer.compute_rewards(rollout))
-    stats = trainer.ppo_update(rollout, advantages)
+    stats = trainer.ppo_update(rollout, advantages).stats
     micro_batches_per_step = config.local_mini_batch_size // config.per_device_train_batch_size
     first = slice(0, micro_batches_per_step)  # the first minibatch of the first epoch
     torch.testing.assert_close(stats["val/ratio"][first], torch.ones(micro_batches_per_step), atol=1e-5, rtol=0)
@@ -310,7 +310,7 @@ def test_pad_token_equal_to_eos_keeps_the_stop_token_in_the_response(
         if stopped:
             assert (response[mask] == eos).sum() == 1  # the EOS is inside the mask exactly once
     advantages = trainer.compute_advantages(rollout, trainer.compute_rewards(rollout))
-    stats = trainer.ppo_update(rollout, advantages)
+    stats = trainer.ppo_update(rollout, advantages).stats
     torch.testing.assert_close(stats["val/ratio"][:2], torch.ones(2), atol=1e-5, rtol=0)
 
 

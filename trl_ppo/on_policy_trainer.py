@@ -151,6 +151,21 @@ class OnPolicyTrainer(Trainer):
         return TrainOutput(self.state.global_step, self.run.policy_loss_sum / max(self.state.global_step, 1), metrics)
 
     # ------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> str:
+        """Write `checkpoint-<update>` of a run driven by `step()` now (weights, optimizer, scheduler, run state
+        with the KL coefficient and score moments, RNG) -> its path. `train()` saves by `save_strategy` itself."""
+        if not self._training_active:
+            self._begin_training(None)
+        return self._write_checkpoint()
+
+    def load_checkpoint(self, checkpoint: str | bool = True) -> int:
+        """Continue a run driven by `step()` from `checkpoint` (a folder, or True for the newest complete one in
+        `output_dir`): the next `step()` is then the update after it. -> the number of updates it had done."""
+        if checkpoint in (None, False):
+            raise ValueError("`load_checkpoint` needs a checkpoint folder, or True for the newest in `output_dir`.")
+        self._begin_training(ckpt.checkpoint_to_resume(self.args.output_dir, checkpoint))
+        return self.state.global_step
+
     def _write_checkpoint(self, resume_point: ckpt.ResumePoint | None = None) -> str:
         """`checkpoint-<update>` of the run as of now, or with an earlier `resume_point` (a dropped rollout)."""
         resume_point = resume_point if resume_point is not None else ckpt.ResumePoint.capture(self.run)

@@ -81,9 +81,11 @@ def response_mask_after_stop(responses: torch.Tensor, stop_token_id: int | None)
 
 
 def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last response token (the stop token when there is one) of each row of a response mask
-    `[B, T]`; 0 for an empty row. -> `[B]` (long). The score is credited, and a reward model read, there."""
-    return response_mask.long().sum(-1).clamp(min=1) - 1
+    """Index of the last True of each row of a response mask `[B, T]` (the stop token when there is one; a mask
+    given to `step()` may have gaps); 0 for an empty row. -> `[B]` (long). The score is credited there."""
+    length = response_mask.size(-1)
+    last = length - 1 - response_mask.long().flip(-1).argmax(-1)
+    return last.masked_fill(~response_mask.any(-1), 0)
 
 
 def pad_responses(values: torch.Tensor, length: int, fill: float) -> torch.Tensor:
@@ -318,7 +320,8 @@ def policy_loss(
     """PPO's clipped surrogate loss (Schulman et al. 2017), averaged over the response tokens.
 
     All inputs `[B, T]`. Returns the loss and detached stats: `clipfrac` (fraction of tokens where the clipped
-    term is the active one), `approxkl` (0.5 * mean squared log-ratio) and `ratio` (mean probability ratio).
+    term is the active one), `approxkl` (0.5 * mean squared log-ratio), `policykl` (mean of old - new log-probs)
+    and `ratio` (mean probability ratio).
     """
     log_ratio = new_logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
@@ -329,6 +332,7 @@ def policy_loss(
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
             "approxkl": 0.5 * masked_mean(log_ratio**2, response_mask),
+            "policykl": masked_mean(-log_ratio, response_mask),
             "ratio": masked_mean(ratio, response_mask),
         }
     return loss, stats
@@ -342,11 +346,16 @@ def value_loss(
     cliprange_value: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: 0.5 * mean(max((V - R)^2, (V_clipped - R)^2)), V_clipped within +-cliprange_value
-    of the rollout's values. All inputs `[B, T]`. Returns the loss and `clipfrac` (detached)."""
+    of the rollout's values. All inputs `[B, T]`. Returns the loss and detached stats: `clipfrac`, `vpred` (mean
+    new value) and `error` (mean squared error of the new values, unclipped)."""
     clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
     unclipped_loss = (new_values - returns) ** 2
     clipped_loss = (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), response_mask)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((clipped_loss > unclipped_loss).float(), response_mask)}
+        stats = {
+            "clipfrac": masked_mean((clipped_loss > unclipped_loss).float(), response_mask),
+            "vpred": masked_mean(new_values, response_mask),
+            "error": masked_mean(unclipped_loss, response_mask),
+        }
     return loss, stats

@@ -58,7 +58,10 @@ def reward_name(reward: Any) -> str:
 
 
 def build_rewards(reward_model, reward_weights=None, reward_processing_class=None) -> list[Reward]:
-    """Check and name the rewards given as `reward_model` (one, or a list mixing models and callables)."""
+    """Check and name the rewards given as `reward_model` (one, or a list mixing models and callables; None:
+    no reward, for `step()` on given scores)."""
+    if reward_model is None:
+        return []
     sources = list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model]
     if not sources:
         raise ValueError("`reward_model` is an empty list: give at least one reward model or function.")

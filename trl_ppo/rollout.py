@@ -24,6 +24,7 @@ from .models import PreparedModels, peft_reference
 PER_TOKEN_FIELDS = (
     "responses",
     "response_mask",
+    "response_attention_mask",
     "logprobs",
     "ref_logprobs",
     "values",
@@ -40,7 +41,7 @@ class Rollout:
     queries: torch.Tensor  # [B, Lq] left-padded prompt ids
     query_mask: torch.Tensor  # [B, Lq] True on prompt tokens
     responses: torch.Tensor  # [B, T] sampled ids, padding after the stop token
-    response_mask: torch.Tensor  # [B, T] True up to and including the stop token
+    response_mask: torch.Tensor  # [B, T] True on the tokens trained on: up to and including the stop token
     logprobs: torch.Tensor | None = None  # [B, T] log pi_old of each response token (INVALID_LOGPROB on padding)
     ref_logprobs: torch.Tensor | None = None  # [B, T] log pi_ref
     values: torch.Tensor | None = None  # [B, T] V(s_t) before each response token (0 on padding)
@@ -48,6 +49,9 @@ class Rollout:
     full_kl: torch.Tensor | None = None  # [B, T] exact per-token KL(pi_old || pi_ref), with kl_penalty="full"
     advantages: torch.Tensor | None = None  # [B, T] whitened GAE advantages (set for the update)
     returns: torch.Tensor | None = None  # [B, T] value targets (set for the update)
+    # [B, T] True on every response token, where `step(response_masks=...)` leaves some out of `response_mask`
+    # (e.g. tool output): those are attended to but not trained on. None: the same as `response_mask`.
+    response_attention_mask: torch.Tensor | None = None
 
     @property
     def response_length(self) -> int:
@@ -60,9 +64,14 @@ class Rollout:
         return torch.cat([self.queries, self.responses], dim=1)
 
     @property
+    def attended_responses(self) -> torch.Tensor:
+        """`[B, T]` True on every response token (padding excluded), trained on or not."""
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
+
+    @property
     def attention_mask(self) -> torch.Tensor:
         """Attention over the prompt tokens and the response tokens up to the stop token. `[B, Lq + T]`."""
-        return torch.cat([self.query_mask, self.response_mask], dim=1).long()
+        return torch.cat([self.query_mask, self.attended_responses], dim=1).long()
 
     def per_token_kl(self, penalty: str = "kl", estimator: str = "k1") -> torch.Tensor:
         """The KL term of the rewards `[B, T]` (`ppo.per_token_kl` of the filled log-probs, or `full_kl` with
@@ -80,7 +89,7 @@ class Rollout:
         (padded keys are masked out of attention, and causal attention never reads the columns on the right).
         Per-token fields become `[B, T']`; `ppo.pad_responses` widens results back to `T`."""
         first_prompt_column, width = torch.stack(
-            [ppo.first_true_indices(self.query_mask.any(0)[None])[0], self.response_mask.sum(1).amax()]
+            [ppo.first_true_indices(self.query_mask.any(0)[None])[0], self.attended_responses.sum(1).amax()]
         ).tolist()  # one device-to-host sync
         fields = dict(vars(self), queries=self.queries[:, first_prompt_column:])
         fields["query_mask"] = self.query_mask[:, first_prompt_column:]

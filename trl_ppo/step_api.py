@@ -13,15 +13,45 @@ episodes, per-token rewards, GAE, clipped multi-epoch minibatch updates, metrics
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from . import distributed as dist
+from . import ppo
 from .data import LeftPaddingCollator, prompts_on_device
 from .models import PreparedModels
 from .rollout import Rollout, Sampling, chunks, sample_rollout
+from .update import UpdateResult
+
+
+@dataclass
+class EpisodeUpdate:
+    """Everything one `step()` made: the filled rollout, its rewards and advantages, the update's result, the
+    metrics it logged, and the seconds each phase took (`PhaseClock`)."""
+
+    rollout: Rollout
+    rewards: ppo.Rewards
+    advantages: ppo.Advantages
+    result: UpdateResult
+    metrics: dict[str, float]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class PhaseClock:
+    """Wall-clock seconds of consecutive phases: `lap(name)` ends the phase begun at the previous lap."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
 
 
 def generate_responses(
@@ -58,15 +88,44 @@ def generate_responses(
     return results
 
 
-def rollout_of(queries: list[torch.Tensor], responses: list[torch.Tensor], pad_token_id: int, device) -> Rollout:
+def rollout_of(
+    queries: list[torch.Tensor],
+    responses: list[torch.Tensor],
+    pad_token_id: int,
+    device,
+    response_masks: list[torch.Tensor] | None = None,
+) -> Rollout:
     """Given episodes as a `Rollout` on `device`: queries left-padded, responses right-padded, masks from their
-    lengths."""
+    lengths. `response_masks` (one 1-D 0/1 tensor per response, as long as it) leaves tokens out of training:
+    they stay attended to (`Rollout.response_attention_mask`) but get no loss, no KL and no score."""
     batch = LeftPaddingCollator(pad_token_id)([{"input_ids": query} for query in queries])
     query_ids, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device).bool()
     response_ids = pad_sequence([r.to(device) for r in responses], batch_first=True, padding_value=pad_token_id)
     lengths = torch.tensor([r.numel() for r in responses], device=device)
     response_mask = torch.arange(response_ids.size(1), device=device).unsqueeze(0) < lengths.unsqueeze(1)
-    return Rollout(query_ids, query_mask, response_ids, response_mask)
+    if response_masks is None:
+        return Rollout(query_ids, query_mask, response_ids, response_mask)
+    given = pad_sequence([m.to(device).bool() for m in response_masks], batch_first=True, padding_value=False)
+    return Rollout(query_ids, query_mask, response_ids, given & response_mask, response_attention_mask=response_mask)
+
+
+def check_response_masks(response_masks, responses: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """`step()`'s `response_masks` checked: None, or one 1-D tensor of 0/1 per response, as long as it."""
+    if response_masks is None:
+        return None
+    response_masks = list(response_masks)
+    if len(response_masks) != len(responses):
+        raise ValueError(f"`response_masks` has {len(response_masks)} masks for {len(responses)} responses.")
+    checked = []
+    for index, (mask, response) in enumerate(zip(response_masks, responses)):
+        mask = torch.as_tensor(mask)
+        if mask.shape != response.shape or not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(
+                f"`response_masks[{index}]` must be a 1-D tensor of 0s and 1s as long as `responses[{index}]` "
+                f"({response.numel()} tokens), got shape {tuple(mask.shape)}."
+            )
+        checked.append(mask.bool())
+    return checked
 
 
 def check_episodes(queries, responses, scores, local_batch_size: int):

@@ -10,6 +10,7 @@ outside the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 
@@ -34,6 +35,7 @@ from .models import (
     PreparedModels,
     context_length,
     is_peft_model,
+    peft_reference,
     shared_parameters,
     with_value_function,
 )
@@ -41,6 +43,7 @@ from .on_policy_trainer import OnPolicyTrainer
 from .preparation import initial_fingerprints, prepare_all_models, prepare_data, validate_inputs
 from .rewards import Scoring
 from .rollout import Rollout, Sampling, add_logprobs_and_values, collect_rollout
+from .value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
 
 logger = logging.get_logger(__name__)
 
@@ -56,7 +59,7 @@ class PPOTrainer(OnPolicyTrainer):
             its adapter disabled (no second copy of the weights).
         reward_model: a sequence-classification model with a scalar `score` head, a callable
             `f(prompts, completions, **columns) -> list[float | None]` (plain or async), or a list mixing them
-            (combined with `args.reward_weights`).
+            (combined with `args.reward_weights`); None when only `step()` trains, on scores given to it.
         train_dataset: prompts, as `input_ids` or as a `prompt` column (text or chat messages). Only `step()`
             works without one (then set `args.total_episodes`).
         value_model: a sequence-classification model with one label, trained alongside the policy; `None` gives
@@ -80,7 +83,7 @@ class PPOTrainer(OnPolicyTrainer):
         processing_class: PreTrainedTokenizerBase,
         model: nn.Module,
         ref_model: nn.Module | None,
-        reward_model,
+        reward_model=None,
         train_dataset=None,
         value_model: nn.Module | None = None,
         data_collator=None,
@@ -129,6 +132,7 @@ class PPOTrainer(OnPolicyTrainer):
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model  # `Trainer.save_model` / checkpointing read the engine from here
         self.ref_model, self._inference_engines = dist.place_frozen_models(ref_model, self.rewards, accelerator)
+        self._reference_as_policy: PolicyAndValueWrapper | None = None  # made by `generate(reference=True)`
         # Every process samples with its own seed; the data order was fixed from `seed` alone.
         set_seed(dist.process_seed(args.seed, accelerator.process_index))
         self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
@@ -145,6 +149,7 @@ class PPOTrainer(OnPolicyTrainer):
         args = self.args
         if self.train_dataset is None:
             raise ValueError("`train()` samples from `train_dataset`, and none was given (use `step()` without one).")
+        self._scoring()  # without a reward, fail before any compute
         self._begin_training(ckpt.checkpoint_to_resume(args.output_dir, resume_from_checkpoint))
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
@@ -161,7 +166,7 @@ class PPOTrainer(OnPolicyTrainer):
                 advantages = self.compute_advantages(rollout, rewards)  # GAE
                 if ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
-                update_stats = self.ppo_update(rollout, advantages)
+                update_stats = self.ppo_update(rollout, advantages).stats
 
                 metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward)
                 self.run.kl_coef = self.adapted_kl_coef(metrics["objective/kl"])
@@ -210,12 +215,15 @@ class PPOTrainer(OnPolicyTrainer):
         args = self.args
         return ppo.advantages_and_returns(rewards.rewards, rollout.values, rollout.response_mask, args.gamma, args.lam)
 
-    def ppo_update(self, rollout: Rollout, advantages: ppo.Advantages) -> dict[str, torch.Tensor]:
-        """`num_ppo_epochs` over the rollout in minibatches (`update.ppo_update`) -> per-micro-batch stats `[n]`.
-        A non-finite loss stops the run, or with `skip_nonfinite_updates` ends the update and is counted (the
-        learning-rate schedule still steps: it follows the update count)."""
-        update = self.state.global_step + 1
-        result = ppo_epochs.ppo_update(rollout, advantages, self._models(), self.optimizer, self.args, update)
+    def ppo_update(
+        self, rollout: Rollout, advantages: ppo.Advantages, detailed: bool = False
+    ) -> ppo_epochs.UpdateResult:
+        """`num_ppo_epochs` over the rollout in minibatches (`update.ppo_update`) -> its result: per-micro-batch
+        stats `[n]` (and with `detailed`, those of TRL's first PPOTrainer). A non-finite loss stops the run, or with
+        `skip_nonfinite_updates` ends the update and is counted (the learning-rate schedule still steps: it
+        follows the update count)."""
+        update, models = self.state.global_step + 1, self._models()
+        result = ppo_epochs.ppo_update(rollout, advantages, models, self.optimizer, self.args, update, detailed)
         if result.nonfinite and not self.args.skip_nonfinite_updates:
             last = ckpt.latest_checkpoint(self.args.output_dir)
             raise ppo_epochs.nonfinite_error(update, self.is_deepspeed_enabled, last)
@@ -225,7 +233,7 @@ class PPOTrainer(OnPolicyTrainer):
                 f"Non-finite PPO loss at update {update}: the rest of this update is skipped "
                 f"({self.run.skipped_updates} skipped so far)."
             )
-        return result.stats
+        return result
 
     def adapted_kl_coef(self, kl: float) -> float:
         """The KL coefficient for the next update: adaptive KL control towards `kl_target` (Ziegler et al. 2019)
@@ -243,40 +251,92 @@ class PPOTrainer(OnPolicyTrainer):
         return_prompt: bool = True,
         batch_size: int | None = None,
         length_sampler: Callable[[], int] | None = None,
+        reference: bool = False,
         **generation_kwargs,
     ) -> torch.Tensor | list[torch.Tensor]:
         """The response (ids after the query when `return_prompt`; cut at the stop token, no padding) to one query
         (1-D token ids) or to each of a list, sampled `batch_size` queries at a time (default
         `local_rollout_forward_batch_size`). `generation_kwargs` may set `max_new_tokens`, `temperature` and
         `eos_token_id`; other options (top_k > 0, ...) sample with `transformers`' `generate`; `length_sampler()`
-        draws `max_new_tokens` for each batch."""
+        draws `max_new_tokens` for each batch. `reference=True` samples from the reference policy instead."""
         single = isinstance(query_tensor, torch.Tensor) and query_tensor.dim() == 1
         queries = episodes.check_token_lists([query_tensor] if single else list(query_tensor), "query_tensor")
         batch_size = batch_size or self.args.local_rollout_forward_batch_size
-        results = episodes.generate_responses(
-            queries, self._models(), self._sampling(), batch_size, return_prompt, length_sampler, generation_kwargs
-        )
+        sampling = self._sampling()
+        with self._sampling_models(reference) as models:
+            results = episodes.generate_responses(
+                queries, models, sampling, batch_size, return_prompt, length_sampler, generation_kwargs
+            )
         return results[0] if single else results
 
+    @contextlib.contextmanager
+    def _sampling_models(self, reference: bool):
+        """The models sampling reads: the policy's, or the reference policy's (a reference model, made readable as
+        a policy once; or the PEFT policy with its adapter disabled)."""
+        if not reference:
+            yield self._models()
+        elif self.ref_model is None:
+            with peft_reference(self._models().wrapper.lm, self.args.ref_adapter_name, self.args.model_adapter_name):
+                yield self._models()
+        else:
+            if dist.deepspeed_zero_stage(self.accelerator) == 3:
+                raise ValueError("Sampling from the reference model is not supported under DeepSpeed ZeRO-3.")
+            if self._reference_as_policy is None:
+                ref = self.ref_model if is_value_head_model(self.ref_model) else self._value_head_view(self.ref_model)
+                self._reference_as_policy = PolicyAndValueWrapper(ref, None)
+            yield PreparedModels(self.accelerator, self._reference_as_policy, None)
+
+    @staticmethod
+    def _value_head_view(lm: nn.Module) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):  # the unused head's initialisation leaves the RNG stream alone
+            return AutoModelForCausalLMWithValueHead(lm)
+
     def step(
-        self, queries: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], scores: Sequence[float] | torch.Tensor
+        self,
+        queries: Sequence[torch.Tensor],
+        responses: Sequence[torch.Tensor],
+        scores: Sequence[float] | torch.Tensor,
+        response_masks: Sequence[torch.Tensor] | None = None,
     ) -> dict[str, float]:
         """One full PPO update, as one update of `train()` after its scoring, on this process's `local_batch_size`
         episodes: `queries` and `responses` as 1-D token ids (the responses exactly as produced, a stop token
-        included, no padding) and one score each (floats, 0-d tensors or a `[B]` tensor). -> the update's metrics."""
+        included, no padding) and one score each (floats, 0-d tensors or a `[B]` tensor). `response_masks`: one
+        1-D 0/1 tensor per response leaving tokens (e.g. tool output) out of training. -> the update's metrics."""
         queries, responses, scores = episodes.check_episodes(queries, responses, scores, self.args.local_batch_size)
+        response_masks = episodes.check_response_masks(response_masks, responses)
+        return self.update_on_episodes(queries, responses, scores, response_masks).metrics
+
+    def update_on_episodes(
+        self,
+        queries: list[torch.Tensor],
+        responses: list[torch.Tensor],
+        scores: torch.Tensor,
+        response_masks: list[torch.Tensor] | None = None,
+        detailed: bool = False,
+    ) -> episodes.EpisodeUpdate:
+        """`step()` on checked episodes: logprobs, ref_logprobs, values → KL-shaped rewards → advantages → PPO
+        epochs → adapt the KL coefficient → step the schedule → count / log / save. -> everything it made, and
+        the seconds each phase took (`trl_ppo.legacy` reports both)."""
+        clock = episodes.PhaseClock()
         if not self._training_active:  # the first step (or the first after `train()` ended)
             self._begin_training(None)
-        given = episodes.rollout_of(queries, responses, self.processing_class.pad_token_id, self.accelerator.device)
-        rollout = self.add_logprobs_and_values(given)
+        pad_token_id, device = self.processing_class.pad_token_id, self.accelerator.device
+        rollout = self.add_logprobs_and_values(
+            episodes.rollout_of(queries, responses, pad_token_id, device, response_masks)
+        )
         rollout.scores = scores.to(rollout.queries.device)
+        clock.lap("forward_pass")
         rewards = self.compute_rewards(rollout)
+        clock.lap("compute_rewards")
         advantages = self.compute_advantages(rollout, rewards)
-        update_stats = self.ppo_update(rollout, advantages)
-        metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward={})
+        clock.lap("compute_advantages")
+        result = self.ppo_update(rollout, advantages, detailed)
+        clock.lap("optimize_step")
+        metrics = self._update_metrics(rollout, rewards, result.stats, scores_per_reward={})
         self.run.kl_coef = self.adapted_kl_coef(metrics["objective/kl"])
         self.lr_scheduler.step()
-        return self._end_update(metrics)
+        metrics = self._end_update(metrics)
+        return episodes.EpisodeUpdate(rollout, rewards, advantages, result, metrics, clock.seconds)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str] = ("query", "response")):
         """Log `step()`'s `stats` to the configured trackers (`report_to`), and show a table of the batch's
@@ -335,6 +395,11 @@ class PPOTrainer(OnPolicyTrainer):
         return Sampling.from_config(self.args, self.sampling_backend, self.stop_token_id, pad_token_id)
 
     def _scoring(self) -> Scoring:
+        if not self.rewards:
+            raise ValueError(
+                "Sampling and scoring responses needs a reward: pass `reward_model` (a model or a function). Without "
+                "one, only `step()` with scores you give can train."
+            )
         args, autocast = self.args, self.accelerator.autocast
         return Scoring.from_config(self.rewards, self.processing_class, args, self.penalty_token_id, autocast)
 

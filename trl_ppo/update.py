@@ -36,25 +36,38 @@ class Verdict(enum.Enum):
 
 @dataclass
 class UpdateResult:
-    """What one PPO update did: per-micro-batch stats (each `[n]`), and whether a non-finite loss cut it short."""
+    """What one PPO update did: per-micro-batch stats (each `[n]`), whether a non-finite loss cut it short, and
+    with `detailed` stats the per-token ones (`policy/advantages`, `policy/ratio`: one 1-D tensor of the
+    response tokens per micro-batch)."""
 
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     nonfinite: bool = False
+    token_stats: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
+# `detailed_stats` that hold one value per response token rather than one per micro-batch.
+TOKEN_STATS = ("policy/advantages", "policy/ratio")
 
 
 def ppo_update(
-    rollout: Rollout, advantages: ppo.Advantages, models: PreparedModels, optimizer, args, update: int
+    rollout: Rollout,
+    advantages: ppo.Advantages,
+    models: PreparedModels,
+    optimizer,
+    args,
+    update: int,
+    detailed: bool = False,
 ) -> UpdateResult:
     """Optimise the policy and value function on one rollout (`update` is its number, for messages).
 
     Stats are those of the minibatches whose losses were finite; with `early_stopping` / `ratio_threshold`
     (and no non-finite loss) also `policy/early_stop_frac` (minibatches stepped / planned) and
-    `policy/skipped_minibatches`."""
+    `policy/skipped_minibatches`. `detailed` adds the stats of TRL's first PPOTrainer (`detailed_stats`)."""
     episodes = rollout.with_advantages(advantages)
     stats, counts = defaultdict(list), {verdict: 0 for verdict in Verdict}
     models.model.train()
     for minibatch in shuffled_minibatches(args, episodes.queries.device):
-        minibatch_stats = minibatch_backward(episodes, minibatch, models, args)
+        minibatch_stats = minibatch_backward(episodes, minibatch, models, args, detailed)
         verdict = judge_minibatch(minibatch_stats, models.accelerator, args, update)
         if verdict is Verdict.STEP:
             if args.max_grad_norm:
@@ -67,7 +80,9 @@ def ppo_update(
                 stats[key].extend(values)
         if verdict.ends_update:
             break
-    result = UpdateResult({key: torch.stack(values) for key, values in stats.items()}, counts[Verdict.NONFINITE] > 0)
+    token_stats = {key: stats.pop(key) for key in TOKEN_STATS if key in stats}
+    per_micro_batch = {key: torch.stack(values) for key, values in stats.items()}
+    result = UpdateResult(per_micro_batch, counts[Verdict.NONFINITE] > 0, token_stats)
     if not result.nonfinite:  # a cut-short update reports only its losses' stats
         device = episodes.queries.device
         if args.early_stopping:
@@ -85,7 +100,9 @@ def shuffled_minibatches(args, device: torch.device) -> Iterator[torch.Tensor]:
         yield from torch.randperm(args.local_batch_size, device=device).split(args.local_mini_batch_size)
 
 
-def minibatch_backward(episodes: Rollout, minibatch: torch.Tensor, models: PreparedModels, args) -> dict:
+def minibatch_backward(
+    episodes: Rollout, minibatch: torch.Tensor, models: PreparedModels, args, detailed: bool = False
+) -> dict:
     """Forward and backward over one minibatch in passes of `train_forward_batch_size` episodes, gradients
     accumulated; -> its stats, per micro-batch (each a list of 0-d tensors)."""
     passes = minibatch.split(args.train_forward_batch_size)  # whole micro-batches each
@@ -93,7 +110,7 @@ def minibatch_backward(episodes: Rollout, minibatch: torch.Tensor, models: Prepa
     minibatch_stats = defaultdict(list)
     for i, index in enumerate(passes):
         with gradient_sync(models, last=i == len(passes) - 1):
-            pass_stats = pass_backward(episodes.select(index), models, args, micro_batches)
+            pass_stats = pass_backward(episodes.select(index), models, args, micro_batches, detailed)
         for key, values in pass_stats.items():
             minibatch_stats[key].extend(values)
     return minibatch_stats
@@ -118,7 +135,9 @@ def loss_divisor(micro_batches_in_pass: int, micro_batches_in_minibatch: int, de
     return micro_batches_in_pass if deepspeed else micro_batches_in_minibatch
 
 
-def pass_backward(episodes: Rollout, models: PreparedModels, args, micro_batches_in_minibatch: int) -> dict:
+def pass_backward(
+    episodes: Rollout, models: PreparedModels, args, micro_batches_in_minibatch: int, detailed: bool = False
+) -> dict:
     """One forward/backward over whole micro-batches (`train_forward_batch_size` episodes), without the padding
     columns common to all of them. The loss is computed per micro-batch (masked means over its tokens) and
     summed, so the gradient equals that of one pass per micro-batch. -> per-micro-batch stats (lists)."""
@@ -150,9 +169,31 @@ def pass_backward(episodes: Rollout, models: PreparedModels, args, micro_batches
             ("val/ratio", pg_stats["ratio"]),
         ):
             stats[key].append(value)
+        if detailed:
+            for key, value in detailed_stats(micro, new_logprobs[part], pg_stats, vf_stats).items():
+                stats[key].append(value)
     divisor = loss_divisor(len(stats["loss/policy_avg"]), micro_batches_in_minibatch, models.is_deepspeed)
     models.accelerator.backward(loss / divisor)
     return stats
+
+
+@torch.no_grad()
+def detailed_stats(micro: Rollout, new_logprobs: torch.Tensor, pg_stats: dict, vf_stats: dict) -> dict:
+    """The further stats of one micro-batch that TRL's first PPOTrainer reported (named as there, without its
+    `ppo/` prefix): 0-d tensors, and the advantages and ratios of its response tokens (1-D, `TOKEN_STATS`)."""
+    mask = micro.response_mask
+    return {
+        "policy/policykl": pg_stats["policykl"],
+        "policy/advantages_mean": ppo.masked_mean(micro.advantages, mask),
+        "val/vpred": vf_stats["vpred"],
+        "val/error": vf_stats["error"],
+        "returns/mean": ppo.masked_mean(micro.returns, mask),
+        "returns/var": ppo.masked_var(micro.returns, mask),
+        "val/mean": ppo.masked_mean(micro.values, mask),
+        "val/var": ppo.masked_var(micro.values, mask),
+        "policy/advantages": micro.advantages[mask].float(),
+        "policy/ratio": torch.exp(new_logprobs - micro.logprobs)[mask].float(),
+    }
 
 
 def judge_minibatch(minibatch_stats: dict, accelerator, args, update: int) -> Verdict:

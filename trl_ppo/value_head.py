@@ -44,6 +44,7 @@ class CausalLMOutputWithValue(ModelOutput):
     logits: torch.Tensor | None = None
     value: torch.Tensor | None = None
     past_key_values: object | None = None
+    loss: torch.Tensor | None = None  # the LM's loss, when `labels` are given
 
 
 class AutoModelForCausalLMWithValueHead(nn.Module):
@@ -135,28 +136,74 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
             output = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         finally:
             hook.remove()
-        return CausalLMOutputWithValue(
-            logits=output.logits, value=self.v_head(captured[-1]), past_key_values=output.past_key_values
-        )
+        value = self.v_head(captured[-1])
+        return CausalLMOutputWithValue(output.logits, value, output.past_key_values, getattr(output, "loss", None))
+
+
+# Where trl <= 0.11 saved the head: its `v_head.*` keys inside the model's own weights file(s).
+_TRL011_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_TRL011_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def _load_value_head_state(source: str, revision: str | None) -> dict | None:
-    """The saved head of a local folder or hub repo, or None when it has none (a plain causal LM)."""
-    from safetensors.torch import load_file
-
+    """The saved head of a local folder or hub repo (`value_head.safetensors`, or the `v_head.*` weights that
+    trl <= 0.11 wrote into the model's own files), or None when it has none (a plain causal LM)."""
     if os.path.isdir(source):
-        path = os.path.join(source, VALUE_HEAD_FILE)
-        return load_file(path) if os.path.isfile(path) else None
+        return _find_value_head(
+            lambda name: os.path.join(source, name) if os.path.isfile(os.path.join(source, name)) else None
+        )
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
+    def fetch(name: str) -> str | None:
+        try:
+            return hf_hub_download(source, name, revision=revision)
+        except EntryNotFoundError:
+            return None
+
     try:
-        return load_file(hf_hub_download(source, VALUE_HEAD_FILE, revision=revision))
-    except EntryNotFoundError:  # a plain causal LM: the head starts fresh
-        return None
+        return _find_value_head(fetch)
     except Exception as error:  # offline, or no access: say so, rather than silently training a fresh head
-        logger.warning(f"Could not fetch {VALUE_HEAD_FILE} of {source} ({error}); the value head starts fresh.")
+        logger.warning(f"Could not fetch the value head of {source} ({error}); the value head starts fresh.")
         return None
+
+
+def _find_value_head(fetch) -> dict | None:
+    """The `v_head.*` weights through `fetch(file name) -> local path or None`: our own file first, then trl
+    0.11's layout (the weights file named by an index, or the single weights file)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = fetch(VALUE_HEAD_FILE)
+    if path is not None:
+        return load_file(path)
+    for index_name in _TRL011_INDEX_FILES:
+        index_path = fetch(index_name)
+        if index_path is not None:
+            with open(index_path) as file:
+                shards = {shard for key, shard in json.load(file)["weight_map"].items() if key.startswith("v_head.")}
+            return _head_weights([fetch(shard) for shard in sorted(shards)]) if shards else None
+    for name in _TRL011_WEIGHT_FILES:
+        path = fetch(name)
+        if path is not None:
+            return _head_weights([path])
+    return None
+
+
+def _head_weights(paths: list[str]) -> dict | None:
+    """The `v_head.*` tensors of safetensors or torch weight files (only those are read from a safetensors)."""
+    from safetensors import safe_open
+
+    state = {}
+    for path in paths:
+        if path.endswith(".safetensors"):
+            with safe_open(path, framework="pt") as file:
+                state.update({key: file.get_tensor(key) for key in file.keys() if key.startswith("v_head.")})
+        else:
+            weights = torch.load(path, map_location="cpu", weights_only=True)
+            state.update({key: value for key, value in weights.items() if key.startswith("v_head.")})
+    return state or None
 
 
 def sub_state_dict(state_dict: dict, prefix: str) -> dict:
