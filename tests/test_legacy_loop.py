@@ -57,3 +57,35 @@ def test_the_tutorial_loop_raises_the_reward(tmp_path, tokenizer):
     first, last = sum(mean_rewards[:8]) / 8, sum(mean_rewards[-8:]) / 8
     assert last - first > 0.2, mean_rewards  # seeds 0-3 gave 0.29 to 0.44
     assert stats["objective/kl"] > 0  # it moved away from the reference, and the KL says so
+
+
+def test_a_step_api_run_resumes_from_its_checkpoint_exactly(tmp_path, tokenizer):
+    """trl 0.11 could not resume: here save_checkpoint() after two steps, then a new trainer's load_checkpoint()
+    and a third step end where the uninterrupted run ends (weights, value head, KL coefficient, score moments)."""
+    torch.manual_seed(0)
+    gpt2 = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=len(tokenizer))
+    GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+    queries = [torch.tensor(tokenizer.encode(text)) for text in ("the movie", "my day was", "our trip", "fun")]
+    responses = [torch.tensor(tokenizer.encode(text)) for text in ("was good", "long", "seemed fun ok", "day")]
+    scores = [torch.tensor(float(i)) for i in range(4)]
+
+    def trainer():
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "gpt2"))
+        config = PPOConfig(batch_size=4, mini_batch_size=2, learning_rate=1e-2, use_score_scaling=True)
+        config.output_dir = str(tmp_path / "run")
+        return PPOTrainer(config, model, None, tokenizer)
+
+    uninterrupted = trainer()
+    for _ in range(2):
+        uninterrupted.step(queries, responses, scores)
+    path = uninterrupted.save_checkpoint()
+    uninterrupted.step(queries, responses, scores)
+
+    resumed = trainer()
+    assert resumed.load_checkpoint(path) == 2
+    resumed.step(queries, responses, scores)
+    expected, got = uninterrupted.model.state_dict(), resumed.model.state_dict()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    assert resumed.kl_ctl.value == uninterrupted.kl_ctl.value != 0.2
+    assert resumed.trainer.run.score_moments.count == uninterrupted.trainer.run.score_moments.count == 12

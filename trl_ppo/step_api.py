@@ -13,6 +13,7 @@ episodes, per-token rewards, GAE, clipped multi-epoch minibatch updates, metrics
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +24,10 @@ from torch.nn.utils.rnn import pad_sequence
 from . import distributed as dist
 from . import ppo
 from .data import LeftPaddingCollator, prompts_on_device
-from .models import PreparedModels
+from .models import PolicyAndValueWrapper, PreparedModels, peft_reference
 from .rollout import Rollout, Sampling, chunks, sample_rollout
 from .update import UpdateResult
+from .value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
 
 
 @dataclass
@@ -86,6 +88,25 @@ def generate_responses(
             response = response[kept]
             results.append(torch.cat([query.to(response.device), response]) if return_prompt else response)
     return results
+
+
+@contextlib.contextmanager
+def sampling_models(models: PreparedModels, reference: bool, args):
+    """The models `generate_responses` samples with: the policy's, or with `reference` the reference policy's (the
+    reference model as a policy; or the PEFT policy with its adapter disabled)."""
+    if not reference:
+        yield models
+    elif models.ref_model is None:
+        with peft_reference(models.wrapper.lm, args.ref_adapter_name, args.model_adapter_name):
+            yield models
+    else:
+        if dist.deepspeed_zero_stage(models.accelerator) == 3:
+            raise ValueError("Sampling from the reference model is not supported under DeepSpeed ZeRO-3.")
+        reference_model = models.ref_model
+        if not is_value_head_model(reference_model):  # a plain causal LM: an unused head makes it readable
+            with torch.random.fork_rng(devices=[]):  # and leaves the RNG stream alone
+                reference_model = AutoModelForCausalLMWithValueHead(reference_model)
+        yield PreparedModels(models.accelerator, PolicyAndValueWrapper(reference_model, None), None)
 
 
 def rollout_of(

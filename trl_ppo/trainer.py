@@ -10,7 +10,6 @@ outside the trainer.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 
@@ -35,7 +34,6 @@ from .models import (
     PreparedModels,
     context_length,
     is_peft_model,
-    peft_reference,
     shared_parameters,
     with_value_function,
 )
@@ -43,7 +41,6 @@ from .on_policy_trainer import OnPolicyTrainer
 from .preparation import initial_fingerprints, prepare_all_models, prepare_data, validate_inputs
 from .rewards import Scoring
 from .rollout import Rollout, Sampling, add_logprobs_and_values, collect_rollout
-from .value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
 
 logger = logging.get_logger(__name__)
 
@@ -132,7 +129,6 @@ class PPOTrainer(OnPolicyTrainer):
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model  # `Trainer.save_model` / checkpointing read the engine from here
         self.ref_model, self._inference_engines = dist.place_frozen_models(ref_model, self.rewards, accelerator)
-        self._reference_as_policy: PolicyAndValueWrapper | None = None  # made by `generate(reference=True)`
         # Every process samples with its own seed; the data order was fixed from `seed` alone.
         set_seed(dist.process_seed(args.seed, accelerator.process_index))
         self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
@@ -263,33 +259,11 @@ class PPOTrainer(OnPolicyTrainer):
         queries = episodes.check_token_lists([query_tensor] if single else list(query_tensor), "query_tensor")
         batch_size = batch_size or self.args.local_rollout_forward_batch_size
         sampling = self._sampling()
-        with self._sampling_models(reference) as models:
+        with episodes.sampling_models(self._models(), reference, self.args) as models:
             results = episodes.generate_responses(
                 queries, models, sampling, batch_size, return_prompt, length_sampler, generation_kwargs
             )
         return results[0] if single else results
-
-    @contextlib.contextmanager
-    def _sampling_models(self, reference: bool):
-        """The models sampling reads: the policy's, or the reference policy's (a reference model, made readable as
-        a policy once; or the PEFT policy with its adapter disabled)."""
-        if not reference:
-            yield self._models()
-        elif self.ref_model is None:
-            with peft_reference(self._models().wrapper.lm, self.args.ref_adapter_name, self.args.model_adapter_name):
-                yield self._models()
-        else:
-            if dist.deepspeed_zero_stage(self.accelerator) == 3:
-                raise ValueError("Sampling from the reference model is not supported under DeepSpeed ZeRO-3.")
-            if self._reference_as_policy is None:
-                ref = self.ref_model if is_value_head_model(self.ref_model) else self._value_head_view(self.ref_model)
-                self._reference_as_policy = PolicyAndValueWrapper(ref, None)
-            yield PreparedModels(self.accelerator, self._reference_as_policy, None)
-
-    @staticmethod
-    def _value_head_view(lm: nn.Module) -> nn.Module:
-        with torch.random.fork_rng(devices=[]):  # the unused head's initialisation leaves the RNG stream alone
-            return AutoModelForCausalLMWithValueHead(lm)
 
     def step(
         self,

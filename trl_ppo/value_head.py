@@ -29,6 +29,10 @@ class ValueHead(nn.Module):
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
         self.summary = nn.Linear(hidden_size, 1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        hidden_size = self.summary.in_features
         nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
         nn.init.zeros_(self.summary.bias)
 

@@ -53,10 +53,16 @@ class AutoModelForCausalLMWithValueHead(core.AutoModelForCausalLMWithValueHead):
         strategy = head_kwargs.get("v_head_init_strategy")
         if strategy not in (None, "normal"):
             raise ValueError(f"`v_head_init_strategy` must be None or 'normal', got {strategy!r}.")
-        loaded = isinstance(pretrained_model_name_or_path, str) and model.has_loaded_head
-        if strategy == "normal" and not loaded:
-            nn.init.normal_(model.v_head.summary.weight, std=head_kwargs.get("v_head_initializer_range", 0.2))
-            nn.init.zeros_(model.v_head.summary.bias)
+        if not model.has_loaded_head:
+            # A new head starts the same every time (trl 0.11's was random), so that a script restarted from the
+            # same model can resume its checkpoints, which check that the initial models match.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                if strategy == "normal":
+                    nn.init.normal_(model.v_head.summary.weight, std=head_kwargs.get("v_head_initializer_range", 0.2))
+                    nn.init.zeros_(model.v_head.summary.bias)
+                else:
+                    model.v_head.reset_parameters()
         return model
 
     @property
