@@ -220,12 +220,18 @@ def report(folder):
                 f"{m:.3f} ± {sd:.3f}" if c != "wall_s" else f"{m:.0f} ± {sd:.0f}" for c, (m, sd) in zip(columns, stats)
             ]
             print(f"| **{names[library]}** | **mean ± sd ({len(results)} seeds)** | " + " | ".join(cells) + " |")
-            gains[library] = stats[2][0]
+            gains[library] = [r["gain"] for r in results]
     print()
     if len(gains) == 2:
-        verdict = "yes" if gains["trl_ppo"] >= gains["trl"] else "no"
+        (new_mean, new_sd), (old_mean, old_sd) = mean_sd(gains["trl_ppo"]), mean_sd(gains["trl"])
+        verdict = "yes" if new_mean >= old_mean else "no"
+        print(f"trl_ppo.legacy mean gain {new_mean:.3f} >= {names['trl']} mean gain {old_mean:.3f}: {verdict}")
+        # How far apart the two means are, in standard errors of their difference (the seeds' spread is large).
+        standard_error = (new_sd**2 / len(gains["trl_ppo"]) + old_sd**2 / len(gains["trl"])) ** 0.5
+        difference = new_mean - old_mean
         print(
-            f"trl_ppo.legacy mean gain {gains['trl_ppo']:.3f} >= {names['trl']} mean gain {gains['trl']:.3f}: {verdict}"
+            f"difference {difference:+.3f} ± {standard_error:.3f} (standard error), "
+            f"{difference / standard_error if standard_error else 0.0:+.1f} standard errors"
         )
     else:
         missing = [names[lib] for lib in ("trl", "trl_ppo") if lib not in gains]
