@@ -320,8 +320,7 @@ def policy_loss(
     """PPO's clipped surrogate loss (Schulman et al. 2017), averaged over the response tokens.
 
     All inputs `[B, T]`. Returns the loss and detached stats: `clipfrac` (fraction of tokens where the clipped
-    term is the active one), `approxkl` (0.5 * mean squared log-ratio), `policykl` (mean of old - new log-probs)
-    and `ratio` (mean probability ratio).
+    term is the active one), `approxkl` (0.5 * mean squared log-ratio) and `ratio` (mean probability ratio).
     """
     log_ratio = new_logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
@@ -332,7 +331,6 @@ def policy_loss(
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
             "approxkl": 0.5 * masked_mean(log_ratio**2, response_mask),
-            "policykl": masked_mean(-log_ratio, response_mask),
             "ratio": masked_mean(ratio, response_mask),
         }
     return loss, stats
@@ -346,16 +344,11 @@ def value_loss(
     cliprange_value: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: 0.5 * mean(max((V - R)^2, (V_clipped - R)^2)), V_clipped within +-cliprange_value
-    of the rollout's values. All inputs `[B, T]`. Returns the loss and detached stats: `clipfrac`, `vpred` (mean
-    new value) and `error` (mean squared error of the new values, unclipped)."""
+    of the rollout's values. All inputs `[B, T]`. Returns the loss and `clipfrac` (detached)."""
     clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
     unclipped_loss = (new_values - returns) ** 2
     clipped_loss = (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), response_mask)
     with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((clipped_loss > unclipped_loss).float(), response_mask),
-            "vpred": masked_mean(new_values, response_mask),
-            "error": masked_mean(unclipped_loss, response_mask),
-        }
+        stats = {"clipfrac": masked_mean((clipped_loss > unclipped_loss).float(), response_mask)}
     return loss, stats

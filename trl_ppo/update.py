@@ -170,7 +170,7 @@ def pass_backward(
         ):
             stats[key].append(value)
         if detailed:
-            for key, value in detailed_stats(micro, new_logprobs[part], pg_stats, vf_stats).items():
+            for key, value in detailed_stats(micro, new_logprobs[part], output.values[part]).items():
                 stats[key].append(value)
     divisor = loss_divisor(len(stats["loss/policy_avg"]), micro_batches_in_minibatch, models.is_deepspeed)
     models.accelerator.backward(loss / divisor)
@@ -178,21 +178,23 @@ def pass_backward(
 
 
 @torch.no_grad()
-def detailed_stats(micro: Rollout, new_logprobs: torch.Tensor, pg_stats: dict, vf_stats: dict) -> dict:
+def detailed_stats(micro: Rollout, new_logprobs: torch.Tensor, new_values: torch.Tensor) -> dict:
     """The further stats of one micro-batch that TRL's first PPOTrainer reported (named as there, without its
-    `ppo/` prefix): 0-d tensors, and the advantages and ratios of its response tokens (1-D, `TOKEN_STATS`)."""
+    `ppo/` prefix), computed only when asked for: 0-d tensors, and the advantages and ratios of its response
+    tokens (1-D, `TOKEN_STATS`). new_logprobs, new_values `[b, T]`: the update's forward."""
     mask = micro.response_mask
+    log_ratio = new_logprobs - micro.logprobs
     return {
-        "policy/policykl": pg_stats["policykl"],
+        "policy/policykl": ppo.masked_mean(-log_ratio, mask),
         "policy/advantages_mean": ppo.masked_mean(micro.advantages, mask),
-        "val/vpred": vf_stats["vpred"],
-        "val/error": vf_stats["error"],
+        "val/vpred": ppo.masked_mean(new_values, mask),
+        "val/error": ppo.masked_mean((new_values - micro.returns) ** 2, mask),
         "returns/mean": ppo.masked_mean(micro.returns, mask),
         "returns/var": ppo.masked_var(micro.returns, mask),
         "val/mean": ppo.masked_mean(micro.values, mask),
         "val/var": ppo.masked_var(micro.values, mask),
         "policy/advantages": micro.advantages[mask].float(),
-        "policy/ratio": torch.exp(new_logprobs - micro.logprobs)[mask].float(),
+        "policy/ratio": torch.exp(log_ratio)[mask].float(),
     }
 
 
