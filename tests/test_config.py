@@ -12,7 +12,7 @@ from datasets import Dataset
 from transformers import HfArgumentParser, TrainingArguments
 
 from trl_ppo import ModelConfig, OnPolicyConfig, PPOConfig, PPOTrainer, ScriptArguments
-from trl_ppo.config import compute_batch_sizes, validate_config
+from trl_ppo.config_checks import compute_batch_sizes, validate_config
 
 TRL_DEFAULTS = dict(
     exp_name="ppo_config",
@@ -175,7 +175,7 @@ def test_a_minibatch_smaller_than_a_micro_batch_updates_as_one_micro_batch(
         (dict(stop_token="</s>"), "stop_token"),
         (dict(stop_token="eos", stop_token_id=3), "both set"),
         (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
-        (dict(kl_estimator="k2"), "kl_estimator"),
+        (dict(kl_estimator="k4"), "kl_estimator"),
         (dict(lam=1.5), "lam"),
     ],
 )

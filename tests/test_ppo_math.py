@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trl_ppo import ppo
+from trl_ppo import kl, losses, ppo
 
 T, F = True, False
 
@@ -37,11 +37,12 @@ def test_whitening_a_single_token_gives_zero_not_nan():
 def test_kl_estimators():
     logprobs = torch.tensor([-1.0, -2.0])
     ref_logprobs = torch.tensor([-1.5, -1.0])  # log r = ref - logprobs = [-0.5, 1]
-    close(ppo.kl_estimate(logprobs, ref_logprobs, "k1"), [0.5, -1.0])
-    close(ppo.kl_estimate(logprobs, ref_logprobs, "k3"), [math.exp(-0.5) - 1 + 0.5, math.e - 1 - 1])
-    assert (ppo.kl_estimate(torch.randn(100), torch.randn(100), "k3") >= 0).all()
-    with pytest.raises(ValueError, match="kl_estimator"):
-        ppo.kl_estimate(logprobs, ref_logprobs, "k2")
+    close(kl.kl_estimate(logprobs, ref_logprobs, "k1"), [0.5, -1.0])
+    close(kl.kl_estimate(logprobs, ref_logprobs, "k3"), [math.exp(-0.5) - 1 + 0.5, math.e - 1 - 1])
+    assert (kl.kl_estimate(torch.randn(100), torch.randn(100), "k3") >= 0).all()
+    close(kl.kl_estimate(logprobs, ref_logprobs, "k2"), [0.125, 0.5])  # 0.5 * log r^2
+    with pytest.raises(ValueError, match="KL estimator"):
+        kl.kl_estimate(logprobs, ref_logprobs, "k4")
 
 
 def test_score_goes_on_the_last_response_token_also_when_a_response_stops_early():
@@ -77,7 +78,7 @@ def test_clipped_policy_loss():
     new_logprobs = torch.log(torch.tensor([1.5, 0.5, 1.1]))
     old_logprobs = torch.zeros(3)
     advantages = torch.tensor([1.0, 1.0, -1.0])
-    loss, stats = ppo.policy_loss(new_logprobs, old_logprobs, advantages, torch.ones(3, dtype=torch.bool), 0.2)
+    loss, stats = losses.policy_loss(new_logprobs, old_logprobs, advantages, torch.ones(3, dtype=torch.bool), 0.2)
     # per token max(-A r, -A clip(r)): max(-1.5, -1.2) = -1.2 (clipped); max(-0.5, -0.8) = -0.5; max(1.1, 1.1)
     close(loss, (-1.2 - 0.5 + 1.1) / 3)
     close(stats["clipfrac"], 1 / 3)
@@ -87,7 +88,7 @@ def test_clipped_policy_loss():
 
 def test_policy_loss_ignores_padding_and_its_gradient_points_the_right_way():
     new_logprobs = torch.tensor([-1.0, ppo.INVALID_LOGPROB], requires_grad=True)
-    loss, stats = ppo.policy_loss(
+    loss, stats = losses.policy_loss(
         new_logprobs, torch.tensor([-1.0, -3.0]), torch.tensor([2.0, 100.0]), torch.tensor([T, F]), 0.2
     )
     close(loss, -2.0)
@@ -100,7 +101,7 @@ def test_clipped_value_loss():
     new_values = torch.tensor([1.0, 0.0, 0.6])
     old_values = torch.tensor([0.5, 0.5, 0.5])
     returns = torch.tensor([1.2, -1.0, 0.0])
-    loss, stats = ppo.value_loss(new_values, old_values, returns, torch.ones(3, dtype=torch.bool), 0.2)
+    loss, stats = losses.value_loss(new_values, old_values, returns, torch.ones(3, dtype=torch.bool), 0.2)
     # clipped values 0.7, 0.3, 0.6 -> losses max(0.04, 0.25), max(1, 1.69), max(0.36, 0.36)
     close(loss, 0.5 * (0.25 + 1.69 + 0.36) / 3)
     close(stats["clipfrac"], 2 / 3)
@@ -136,20 +137,20 @@ def test_logprobs_and_entropy_from_logits():
 def test_one_log_ratio_convention_for_every_kl_term():
     """`kl_estimate` and `kl_penalty` both read log_ratio = logprobs - ref_logprobs (log pi / pi_ref)."""
     logprobs, ref_logprobs = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])  # log_ratio = [0.5, -1]
-    close(ppo.kl_penalty(logprobs, ref_logprobs, "kl", "k1"), [[0.5, -1.0]])
-    close(ppo.kl_penalty(logprobs, ref_logprobs, "abs"), [[0.5, 1.0]])
-    close(ppo.kl_penalty(logprobs, ref_logprobs, "mse"), [[0.125, 0.5]])
+    close(kl.kl_penalty(logprobs, ref_logprobs, "kl", "k1"), [[0.5, -1.0]])
+    close(kl.kl_penalty(logprobs, ref_logprobs, "abs"), [[0.5, 1.0]])
+    close(kl.kl_penalty(logprobs, ref_logprobs, "mse"), [[0.125, 0.5]])
     # k3 = exp(-log_ratio) - 1 + log_ratio = [e^-0.5 - 0.5, e - 2]
-    close(ppo.kl_penalty(logprobs, ref_logprobs, "kl", "k3"), [[math.exp(-0.5) - 0.5, math.e - 2.0]])
+    close(kl.kl_penalty(logprobs, ref_logprobs, "kl", "k3"), [[math.exp(-0.5) - 0.5, math.e - 2.0]])
 
 
 def test_last_token_index_and_the_per_token_kl_on_the_mask():
     mask = torch.tensor([[T, T, T], [T, F, F], [F, F, F]])
     assert ppo.last_token_index(mask).tolist() == [2, 0, 0]  # an empty row reads index 0
     logprobs, ref = torch.tensor([[-1.0, -2.0, -3.0]] * 3), torch.tensor([[-1.5, -1.0, -3.0]] * 3)
-    close(ppo.per_token_kl(logprobs, ref, mask), [[0.5, -1.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    close(kl.per_token_kl(logprobs, ref, mask), [[0.5, -1.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
     full = torch.full((3, 3), 7.0)  # "full" takes the exact KL given, masked the same way
-    close(ppo.per_token_kl(logprobs, ref, mask, "full", full_kl=full), [[7.0, 7.0, 7.0], [7.0, 0, 0], [0, 0, 0]])
+    close(kl.per_token_kl(logprobs, ref, mask, "full", full_kl=full), [[7.0, 7.0, 7.0], [7.0, 0, 0], [0, 0, 0]])
 
 
 def test_kl_shaped_rewards_by_hand():

@@ -90,8 +90,19 @@ class StepCounter(TrainerCallback, ExportableState):
             use_score_norm=True,
             score_clip=2.0,
         ),
+        dict(
+            critic_warmup_steps=1,
+            loss_agg_mode="seq-mean-token-sum-norm",
+            cliprange_low=0.1,
+            cliprange_high=0.3,
+            dual_clip=3.0,
+            entropy_coef=0.01,
+            lam_value=1.0,
+            kl_loss_coef=0.05,
+            kl_estimator="k2",
+        ),
     ],
-    ids=["value_model", "value_head+adaptive_kl+two_rewards+score_scaling"],
+    ids=["value_model", "value_head+adaptive_kl+two_rewards+score_scaling", "large_scale_options"],
 )
 def test_resume_is_bitwise_identical(variant, make_config, tokenizer, load_models, prompt_dataset, tmp_path):
     """6 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit. The

@@ -9,8 +9,8 @@ from conftest import build_trainer, tiny_config
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 
-from trl_ppo import ppo
 from trl_ppo.default_job import SPECIAL_TOKENS, build_word_tokenizer, default_vocabulary
+from trl_ppo.kl import adaptive_kl_coef
 from trl_ppo.rewards import build_rewards, call_reward_function, reward_model_scores
 
 
@@ -194,16 +194,16 @@ def test_reward_processing_class_needs_one_tokenizer_per_reward_model(load_model
 # ----------------------------------------------------------------------------------------- adaptive KL
 def test_adaptive_kl_coef_by_hand():
     # error = clip(kl / target - 1, -0.2, 0.2); coef * (1 + error * 64 / 10000)
-    assert ppo.adaptive_kl_coef(0.1, kl=12.0, kl_target=6.0, kl_horizon=10000, num_episodes=64) == pytest.approx(
+    assert adaptive_kl_coef(0.1, kl=12.0, kl_target=6.0, kl_horizon=10000, num_episodes=64) == pytest.approx(
         0.1 * (1 + 0.2 * 0.0064)
     )
-    assert ppo.adaptive_kl_coef(0.1, kl=6.6, kl_target=6.0, kl_horizon=10000, num_episodes=64) == pytest.approx(
+    assert adaptive_kl_coef(0.1, kl=6.6, kl_target=6.0, kl_horizon=10000, num_episodes=64) == pytest.approx(
         0.1 * (1 + 0.1 * 0.0064)
     )
-    assert ppo.adaptive_kl_coef(0.1, kl=0.0, kl_target=6.0, kl_horizon=10000, num_episodes=64) == pytest.approx(
+    assert adaptive_kl_coef(0.1, kl=0.0, kl_target=6.0, kl_horizon=10000, num_episodes=64) == pytest.approx(
         0.1 * (1 - 0.2 * 0.0064)
     )
-    assert ppo.adaptive_kl_coef(0.1, kl=6.0, kl_target=6.0, kl_horizon=10000, num_episodes=64) == 0.1
+    assert adaptive_kl_coef(0.1, kl=6.0, kl_target=6.0, kl_horizon=10000, num_episodes=64) == 0.1
 
 
 @pytest.mark.parametrize("kl_target", [1e-6, 1e3])
@@ -224,10 +224,11 @@ def test_adaptive_kl_moves_the_coefficient_toward_the_target(
     kls = [entry["objective/kl"] for entry in logs]
     coefs = [entry["objective/kl_coef"] for entry in logs] + [trainer.run.kl_coef]
     assert coefs[0] == 0.1 and len(kls) == 4
-    for kl, before, after in zip(kls, coefs, coefs[1:]):
+    for sequence_kl, before, after in zip(kls, coefs, coefs[1:]):
         # |error| is clipped at 0.2 for these targets: the coefficient moves by 0.2 * 8 / 100 of itself.
-        assert after == pytest.approx(before * (1 + (0.016 if kl > kl_target else -0.016))), (kls, coefs)
-    assert any(kl > kl_target for kl in kls) == (kl_target < 1)  # the small target is exceeded, the large one not
+        assert after == pytest.approx(before * (1 + (0.016 if sequence_kl > kl_target else -0.016))), (kls, coefs)
+    # the small target is exceeded, the large one not
+    assert any(sequence_kl > kl_target for sequence_kl in kls) == (kl_target < 1)
 
 
 def test_fixed_kl_coef_without_a_target(make_config, tokenizer, load_models, prompt_dataset):

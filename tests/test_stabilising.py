@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import build_trainer
 
-from trl_ppo import create_reference_model, ppo
+from trl_ppo import create_reference_model, kl, ppo
 from trl_ppo.models import decoder_blocks
 from trl_ppo.rollout import reference_output
 
@@ -75,17 +75,17 @@ def test_kl_penalty_variants_by_hand():
     logprobs = torch.log(torch.tensor([[0.5, 0.2]]))
     ref_logprobs = torch.log(torch.tensor([[0.25, 0.4]]))
     log_ratio = [math.log(2.0), math.log(0.5)]
-    torch.testing.assert_close(ppo.kl_penalty(logprobs, ref_logprobs, "kl"), torch.tensor([log_ratio]))
-    torch.testing.assert_close(ppo.kl_penalty(logprobs, ref_logprobs, "abs"), torch.tensor([[math.log(2.0)] * 2]))
+    torch.testing.assert_close(kl.kl_penalty(logprobs, ref_logprobs, "kl"), torch.tensor([log_ratio]))
+    torch.testing.assert_close(kl.kl_penalty(logprobs, ref_logprobs, "abs"), torch.tensor([[math.log(2.0)] * 2]))
     torch.testing.assert_close(
-        ppo.kl_penalty(logprobs, ref_logprobs, "mse"), torch.tensor([[0.5 * math.log(2) ** 2] * 2])
+        kl.kl_penalty(logprobs, ref_logprobs, "mse"), torch.tensor([[0.5 * math.log(2) ** 2] * 2])
     )
     k3 = [0.5 - 1 + math.log(2.0), 2.0 - 1 - math.log(2.0)]  # r - 1 - log r with r = pi_ref / pi
-    torch.testing.assert_close(ppo.kl_penalty(logprobs, ref_logprobs, "kl", "k3"), torch.tensor([k3]))
+    torch.testing.assert_close(kl.kl_penalty(logprobs, ref_logprobs, "kl", "k3"), torch.tensor([k3]))
     # Full KL between p = (1/2, 1/2) and q = (1/4, 3/4): 1/2 ln 2 + 1/2 ln(2/3).
     p, q = torch.log(torch.tensor([[[0.5, 0.5]]])), torch.log(torch.tensor([[[0.25, 0.75]]]))
     expected = 0.5 * math.log(2.0) + 0.5 * math.log(2.0 / 3.0)
-    torch.testing.assert_close(ppo.full_kl_from_logits(p + 3.0, q - 1.0), torch.tensor([[expected]]))
+    torch.testing.assert_close(kl.full_kl_from_logits(p + 3.0, q - 1.0), torch.tensor([[expected]]))
 
 
 def test_full_kl_chunked_equals_the_dense_computation(make_config, tokenizer, load_models, prompt_dataset):
@@ -98,7 +98,7 @@ def test_full_kl_chunked_equals_the_dense_computation(make_config, tokenizer, lo
         inputs = (rollout.input_ids, rollout.attention_mask, rollout.responses, config.temperature)
         logits = wrapper(*inputs, keep_logits=True).logits
         ref_logits = reference_output(rollout, trainer._models(), trainer.args, keep_logits=True).logits
-    dense = ppo.full_kl_from_logits(logits, ref_logits).masked_fill(~rollout.response_mask, 0.0)
+    dense = kl.full_kl_from_logits(logits, ref_logits).masked_fill(~rollout.response_mask, 0.0)
     torch.testing.assert_close(rollout.full_kl, dense)
     assert (rollout.full_kl >= -1e-6).all()
     trainer.train()  # and it trains, logging the penalty it used as objective/kl
@@ -180,7 +180,7 @@ def test_all_controls_off_or_not_binding_give_exactly_the_core_update(
     ],
 )
 def test_contradictory_or_bad_controls_are_rejected(overrides, message, make_config):
-    from trl_ppo.config import validate_config
+    from trl_ppo.config_checks import validate_config
 
     with pytest.raises(ValueError, match=message):
         validate_config(make_config(**overrides))

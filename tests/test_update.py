@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import build_trainer
 
-from trl_ppo.update import Verdict, judge_minibatch, loss_divisor, shuffled_minibatches
+from trl_ppo.update import Verdict, backward_scale, judge_minibatch, shuffled_minibatches
 
 
 class OneProcess:
@@ -35,11 +35,13 @@ def stats(policy_losses=(0.1, 0.2), ratios=(1.0, 1.0), approxkl=(0.0, 0.0)):
     }
 
 
-def test_loss_divisor_is_the_minibatch_count_or_deepspeeds_pass_count():
-    # 4 micro-batches per minibatch in passes of 2: each pass's summed loss / 4, so two passes give the mean.
-    assert loss_divisor(micro_batches_in_pass=2, micro_batches_in_minibatch=4, deepspeed=False) == 4
-    # DeepSpeed divides by its gradient_accumulation_steps (2 passes) itself: / 2 here, / 2 there = / 4.
-    assert loss_divisor(micro_batches_in_pass=2, micro_batches_in_minibatch=4, deepspeed=True) == 2
+def test_backward_scale_undoes_the_averaging_over_processes_and_deepspeeds_division():
+    # Each pass's loss is already its share of the minibatch's loss: nothing to divide on one process.
+    assert backward_scale(num_processes=1, passes=2, deepspeed=False) == 1
+    # DDP averages the gradients of 4 processes, each holding its share of the global minibatch loss.
+    assert backward_scale(num_processes=4, passes=2, deepspeed=False) == 4
+    # DeepSpeed divides by its gradient_accumulation_steps (2 passes) and averages over processes.
+    assert backward_scale(num_processes=4, passes=2, deepspeed=True) == 8
 
 
 def test_minibatch_verdicts():

@@ -2,19 +2,16 @@
 
 Field names, types and defaults follow the last TRL PPO trainer (trl 1.12), so that a TRL command line or a
 `PPOConfig(...)` call keeps working after changing the import. The derived batch sizes are filled in by
-`compute_batch_sizes`, called by the trainer once the number of processes is known.
+`config_checks.compute_batch_sizes`, called by the trainer once the number of processes is known; the
+fields' values are checked by `config_checks.validate_config`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from transformers import TrainingArguments
-from transformers.utils import logging
-
-logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -52,9 +49,9 @@ class OnPolicyConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Episodes per forward/backward pass in the PPO update: a multiple of "
-            "`per_device_train_batch_size` that divides the minibatch. The loss stays the mean over micro-batches of "
-            "each micro-batch's loss, so the update is the same as with one micro-batch per pass; larger passes "
-            "are faster where memory allows (on a GPU, often the whole minibatch). Default: "
+            "`per_device_train_batch_size` that divides the minibatch. The minibatch's loss does not depend on how "
+            "it is split into passes (or micro-batches), so the update is the same as with one micro-batch per "
+            "pass; larger passes are faster where memory allows (on a GPU, often the whole minibatch). Default: "
             "`per_device_train_batch_size`."
         },
     )
@@ -186,10 +183,11 @@ class PPOConfig(OnPolicyConfig):
         default=False, metadata={"help": "Whiten (scale, no mean shift) the per-token rewards before GAE."}
     )
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty coefficient (beta)."})
-    kl_estimator: Literal["k1", "k3"] = field(
+    kl_estimator: Literal["k1", "k2", "k3"] = field(
         default="k1",
         metadata={
-            "help": "Per-token KL estimator: 'k1' (log-ratio, unbiased) or 'k3' ((r - 1) - log r, unbiased and "
+            "help": "Per-token KL estimator of the KL in the rewards, with r = pi_ref / pi: 'k1' (-log r, "
+            "unbiased), 'k2' (0.5 * (log r)^2, biased, never negative) or 'k3' ((r - 1) - log r, unbiased and "
             "never negative). See http://joschu.net/blog/kl-approx.html."
         },
     )
@@ -251,6 +249,87 @@ class PPOConfig(OnPolicyConfig):
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value function."})
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "Lambda of generalized advantage estimation (GAE)."})
+
+    # Options of large-scale RL systems (veRL, OpenRLHF, NeMo-RL, ROLL, slime); all off by default.
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        field(
+            default="token-mean",
+            metadata={
+                "help": "How per-token losses (policy, value, entropy, KL loss) become one number: 'token-mean' "
+                "(over all response tokens of the minibatch), 'seq-mean-token-mean' (mean per sequence, then over "
+                "sequences), 'seq-mean-token-sum' (sum per sequence, mean over sequences) or "
+                "'seq-mean-token-sum-norm' (sum per sequence / `response_length`, mean over sequences: no length "
+                "bias, Dr. GRPO). Always normalised over the whole minibatch, so `gradient_accumulation_steps` "
+                "does not change the update (veRL's `loss_agg_mode`)."
+            },
+        )
+    )
+    cliprange_low: float | None = field(
+        default=None,
+        metadata={
+            "help": "Lower clip range of the probability ratio: clip(r, 1 - cliprange_low, 1 + cliprange_high). "
+            "None: `cliprange`."
+        },
+    )
+    cliprange_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Upper clip range of the probability ratio; above `cliprange_low` it keeps low-probability "
+            "tokens explorable ('clip-higher', DAPO uses 0.28 with 0.2 below). None: `cliprange`."
+        },
+    )
+    dual_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dual-clip PPO (Ye et al. 2020): the policy loss of a token with negative advantage A is at "
+            "most -A * dual_clip (> 1, typically 3), so one far off-policy token cannot dominate "
+            "(`policy/dual_clipfrac_avg`). None: off."
+        },
+    )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Entropy bonus: `entropy_coef * entropy` (aggregated as `loss_agg_mode`) is subtracted "
+            "from the loss. 0: off."
+        },
+    )
+    critic_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "The first N updates train only the value function: rollouts are sampled and logged, but the "
+            "policy's weights and optimizer state are left untouched (with a value head on the policy's backbone, "
+            "only the head trains). 0: off."
+        },
+    )
+    lam_value: float | None = field(
+        default=None,
+        metadata={
+            "help": "Decoupled GAE (VAPO): the lambda of the value targets (returns); `lam` stays the advantages' "
+            "lambda. VAPO uses 1.0. None: `lam`."
+        },
+    )
+    length_adaptive_lam_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "Length-adaptive GAE (VAPO): the advantages of a response of l tokens use lambda = 1 - 1 / "
+            "(alpha * l) (at least 0), the returns `lam` (VAPO: alpha 0.05 with lam 1.0). None: off."
+        },
+    )
+    kl_loss_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "KL to the reference as a loss term (gradient through the policy's log-probs), estimated with "
+            "`kl_loss_estimator`, beside or instead of the KL in the reward (`kl_coef=0.0` takes that out). "
+            "0: off."
+        },
+    )
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = field(
+        default="k3",
+        metadata={
+            "help": "Estimator of the KL loss: 'k1' (log-ratio), 'k2' (0.5 * log-ratio^2) or 'k3' (clamped for "
+            "stability: log-ratio within +-20, estimate at most 10)."
+        },
+    )
     ds3_gather_for_generation: bool = field(
         default=True,
         metadata={
@@ -262,149 +341,3 @@ class PPOConfig(OnPolicyConfig):
         default=False,
         metadata={"help": "Also write the value model to `<output_dir>/value_model` in `save_model()`."},
     )
-
-
-def _exact_div(numerator: int, denominator: int, what: str, numerator_name: str, denominator_name: str) -> int:
-    if denominator <= 0 or numerator % denominator != 0:
-        raise ValueError(
-            f"{what}: `{numerator_name}` ({numerator}) must be a multiple of `{denominator_name}` ({denominator})."
-        )
-    return numerator // denominator
-
-
-def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len: int) -> None:
-    """Fill the derived batch sizes of `args` in place, raising a clear error when a division is inexact."""
-    if args.total_episodes is None:
-        args.total_episodes = int(args.num_train_epochs * train_dataset_len)
-    args.world_size = world_size
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.micro_batch_size = args.per_device_train_batch_size * world_size
-    args.batch_size = args.local_batch_size * world_size
-    args.mini_batch_size = _exact_div(
-        args.batch_size,
-        args.num_mini_batches,
-        "Cannot split a batch into minibatches",
-        "batch_size",
-        "num_mini_batches",
-    )
-    args.local_mini_batch_size = _exact_div(
-        args.local_batch_size,
-        args.num_mini_batches,
-        "Cannot split a process's batch into minibatches",
-        "local_batch_size = per_device_train_batch_size * gradient_accumulation_steps",
-        "num_mini_batches",
-    )
-    # As in TRL: a minibatch is cut into micro-batches of `per_device_train_batch_size` (the last may be smaller,
-    # and a minibatch smaller than one micro-batch is one micro-batch); its loss is their losses' mean.
-    micro_batch = min(args.per_device_train_batch_size, args.local_mini_batch_size)
-    if args.train_forward_batch_size is None or args.train_forward_batch_size == args.per_device_train_batch_size:
-        args.train_forward_batch_size = micro_batch  # one micro-batch per pass
-    else:
-        _exact_div(
-            args.train_forward_batch_size,
-            micro_batch,
-            "A training forward must hold whole micro-batches",
-            "train_forward_batch_size",
-            "per_device_train_batch_size",
-        )
-        _exact_div(
-            args.local_mini_batch_size,
-            args.train_forward_batch_size,
-            "Cannot split a minibatch into training forwards",
-            "local_mini_batch_size",
-            "train_forward_batch_size",
-        )
-    if args.total_episodes < args.batch_size:  # TRL accepts it and trains one batch; so do we, but say so
-        logger.warning(
-            f"`total_episodes` ({args.total_episodes}) is smaller than one batch (`batch_size` = {args.batch_size} = "
-            "per_device_train_batch_size * gradient_accumulation_steps * processes): training one batch."
-        )
-    args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
-
-
-def stop_and_penalty_tokens(args: OnPolicyConfig, tokenizer) -> tuple[int | None, int | None]:
-    """(the token that ends a response or None, the token whose absence `missing_eos_penalty` punishes: the stop
-    token, else EOS as in TRL)."""
-    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
-    if args.missing_eos_penalty is not None and stop_token_id is None:
-        logger.warning(
-            "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
-            "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
-        )
-    return stop_token_id, stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
-
-
-def fail(message: str) -> None:
-    raise ValueError(message)
-
-
-def validate_config(args: OnPolicyConfig) -> None:
-    """Reject values that cannot work, before any model is touched. Each error names the argument and the fix."""
-    if args.response_length < 1:
-        fail(f"`response_length` must be at least 1, got {args.response_length}.")
-    if not args.temperature > 0:
-        fail(f"`temperature` must be > 0 (sampling divides logits by it), got {args.temperature}.")
-    if args.stop_token not in (None, "eos"):
-        fail(f"Unknown `stop_token` {args.stop_token!r}: use 'eos', or `stop_token_id` for another token.")
-    if args.stop_token is not None and args.stop_token_id is not None:
-        fail(f"`stop_token` ({args.stop_token!r}) and `stop_token_id` ({args.stop_token_id}) are both set: keep one.")
-    if args.missing_eos_penalty is not None:
-        if args.missing_eos_penalty < 0:
-            fail(f"`missing_eos_penalty` is subtracted, so it must be >= 0; got {args.missing_eos_penalty}.")
-    if args.generation_backend not in ("auto", "kv_cache", "compiled", "compiled_loop", "generate"):
-        fail(
-            f"Unknown `generation_backend` {args.generation_backend!r}: use 'auto', 'kv_cache', 'compiled', "
-            "'compiled_loop' or 'generate'."
-        )
-    if args.logprobs_chunk_size < 0:
-        fail(f"`logprobs_chunk_size` must be >= 0 (0: no chunking), got {args.logprobs_chunk_size}.")
-    if args.train_forward_batch_size is not None and args.train_forward_batch_size < 1:
-        fail(f"`train_forward_batch_size` must be at least 1, got {args.train_forward_batch_size}.")
-    for name in (
-        "num_mini_batches",
-        "local_rollout_forward_batch_size",
-        "per_device_train_batch_size",
-        "gradient_accumulation_steps",
-    ):
-        if getattr(args, name) < 1:
-            fail(f"`{name}` must be at least 1, got {getattr(args, name)}.")
-    if args.total_episodes is not None and args.total_episodes < 1:
-        fail(f"`total_episodes` must be at least 1, got {args.total_episodes}.")
-    if isinstance(args, PPOConfig):
-        _validate_ppo_config(args)
-
-
-def _validate_ppo_config(args: PPOConfig) -> None:
-    """`validate_config`'s checks of PPO's own fields."""
-    if args.kl_estimator not in ("k1", "k3"):
-        fail(f"Unknown `kl_estimator` {args.kl_estimator!r}: use 'k1' or 'k3'.")
-    if args.num_ppo_epochs < 1:
-        fail(f"`num_ppo_epochs` must be at least 1, got {args.num_ppo_epochs}.")
-    if args.kl_target is not None:
-        if not args.kl_target > 0:
-            fail(f"`kl_target` must be > 0 (or None to keep `kl_coef` fixed), got {args.kl_target}.")
-        if not args.kl_coef > 0:
-            fail(f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`, got {args.kl_coef}.")
-    if args.kl_penalty not in ("kl", "abs", "mse", "full"):
-        fail(f"Unknown `kl_penalty` {args.kl_penalty!r}: use 'kl', 'abs', 'mse' or 'full'.")
-    if args.kl_penalty != "kl" and args.kl_estimator != "k1":
-        fail(
-            f"`kl_penalty={args.kl_penalty!r}` replaces the KL estimator, and `kl_estimator={args.kl_estimator!r}` "
-            "asks for another one: keep `kl_estimator='k1'` (the default), or use `kl_penalty='kl'` with it."
-        )
-    if args.use_score_norm and not args.use_score_scaling:
-        fail("`use_score_norm` normalises the scaled scores: it needs `use_score_scaling=True`.")
-    if args.score_clip is not None and not args.score_clip > 0:
-        fail(f"`score_clip` must be > 0 (scores are clipped to +-score_clip), got {args.score_clip}.")
-    if not args.target_kl > 0:
-        fail(f"`target_kl` must be > 0, got {args.target_kl}.")
-    if args.ratio_threshold is not None and not args.ratio_threshold > 1:
-        fail(
-            f"`ratio_threshold` must be > 1 (the mean ratio is about 1 in a healthy minibatch), got "
-            f"{args.ratio_threshold}."
-        )
-    if args.kl_horizon < 1:
-        fail(f"`kl_horizon` must be at least 1, got {args.kl_horizon}.")
-    for name in ("gamma", "lam"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")

@@ -50,14 +50,15 @@ def check_supported(
             ("early_stopping", getattr(args, "early_stopping", False)),
             ("ratio_threshold", getattr(args, "ratio_threshold", None) is not None),
             ("skip_nonfinite_updates", args.skip_nonfinite_updates),
+            ("critic_warmup_steps", getattr(args, "critic_warmup_steps", 0) > 0),
         )
         if value
     ]
     if asked:
         raise ValueError(
             f"{', '.join(f'`{name}`' for name in asked)} cannot be used under DeepSpeed: it steps the optimizer inside "
-            "the backward pass, before the minibatch could be skipped. Turn the option off, or train without "
-            "DeepSpeed (one process or DDP)."
+            "the backward pass, before the minibatch could be skipped or the policy's gradients dropped. Turn the "
+            "option off, or train without DeepSpeed (one process or DDP)."
         )
 
 

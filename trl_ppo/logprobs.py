@@ -58,7 +58,7 @@ class ResponseOutput:
     """What one forward pass gives about `B` episodes' `T` response tokens."""
 
     logprobs: torch.Tensor  # [B, T] float32, log-prob of each sampled token under softmax(logits / temperature)
-    entropy: torch.Tensor | None = None  # [B, T] float32, no gradient; when asked for
+    entropy: torch.Tensor | None = None  # [B, T] float32, when asked for (with gradient only if asked for)
     values: torch.Tensor | None = None  # [B, T] float32, V(s_t); from a value head or value model
     logits: torch.Tensor | None = None  # [B, T, V] / temperature; only when asked for (kl_penalty="full")
 
@@ -72,20 +72,22 @@ def response_logprobs(
     chunk_size: int = 0,
     entropy: bool = False,
     keep_logits: bool = False,
+    entropy_grad: bool = False,
 ) -> ResponseOutput:
     """Log-probs `[B, T]` of `responses` `[B, T]`, the last `T` tokens of `input_ids` `[B, L]`, under `model`
     (a causal LM, or an `AutoModelForCausalLMWithValueHead`, which also gives `values`).
 
     `chunk_size` > 0 computes them from the final hidden states, `chunk_size` tokens at a time, where the model
     allows (module docstring); `keep_logits` (the exact KL needs whole distributions) and `chunk_size=0` run the
-    plain forward. `entropy` adds the entropy of each position's distribution, without gradient."""
+    plain forward. `entropy` adds the entropy of each position's distribution, without gradient unless
+    `entropy_grad` (the entropy bonus of the loss)."""
     length = responses.size(1)
     parts = hidden_state_parts(causal_lm(model)) if chunk_size > 0 and not keep_logits else None
     if parts is None:
         output = response_forward(model, input_ids, attention_mask, length)
         logits = output.logits[:, :-1].float() / temperature  # float32, as the sampler divides them
         values = output.value[:, :-1].float() if is_value_head_model(model) else None
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropies = ppo.entropy_from_logits(logits) if entropy else None
         logprobs = ppo.logprobs_from_logits(logits, responses)
         return ResponseOutput(logprobs, entropies, values, logits if keep_logits else None)
@@ -96,7 +98,8 @@ def response_logprobs(
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state[:, -length - 1 : -1]
-    logprobs, entropies = chunked_token_logprobs(head, hidden, responses, temperature, chunk_size, entropy)
+    chunking = (temperature, chunk_size, entropy, entropy_grad)
+    logprobs, entropies = chunked_token_logprobs(head, hidden, responses, *chunking)
     values = model.v_head(hidden).float() if is_value_head_model(model) else None
     return ResponseOutput(logprobs, entropies, values)
 
@@ -108,6 +111,7 @@ def chunked_token_logprobs(
     temperature: float,
     chunk_size: int,
     entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`head` (the LM head) applied to `chunk_size` of the hidden states `[B, T, H]` at a time -> (log-probs of
     `tokens` `[B, T]`, entropies `[B, T]` or None), float32. With gradients enabled, each chunk's logits are
@@ -117,7 +121,7 @@ def chunked_token_logprobs(
     token_chunks = tokens.reshape(-1).split(chunk_size)
     logprobs, entropies = [], []
     for hidden_chunk, token_chunk in zip(hidden_chunks, token_chunks):
-        inputs = (head, hidden_chunk, token_chunk, temperature, entropy)
+        inputs = (head, hidden_chunk, token_chunk, temperature, entropy, entropy_grad)
         if torch.is_grad_enabled():
             chunk = checkpoint(_chunk_logprobs, *inputs, use_reentrant=False)
         else:
@@ -128,9 +132,11 @@ def chunked_token_logprobs(
     return logprobs, torch.cat(entropies).reshape(shape) if entropy else None
 
 
-def _chunk_logprobs(head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: bool):
+def _chunk_logprobs(
+    head: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: bool, entropy_grad: bool
+):
     logits = head(hidden).float() / temperature  # [N, V] float32, as the sampler divides them
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropies = ppo.entropy_from_logits(logits) if entropy else None
     return ppo.logprobs_from_logits(logits, tokens), entropies
 

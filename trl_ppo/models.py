@@ -130,11 +130,20 @@ class PolicyAndValueWrapper(nn.Module):
         chunk_size: int = 0,
         entropy: bool = False,
         keep_logits: bool = False,
+        entropy_grad: bool = False,
     ) -> ResponseOutput:
         """Log-probs of the response tokens `responses` `[B, T]` (the end of `input_ids` `[B, L]`) under the
         policy and their values `[B, T]` (float32); the other arguments as in `logprobs.response_logprobs`."""
         output = response_logprobs(
-            self.policy, input_ids, attention_mask, responses, temperature, chunk_size, entropy, keep_logits
+            self.policy,
+            input_ids,
+            attention_mask,
+            responses,
+            temperature,
+            chunk_size,
+            entropy,
+            keep_logits,
+            entropy_grad,
         )
         if self.value_model is not None:
             values = scalar_head_outputs(self.value_model, input_ids, attention_mask)

@@ -18,7 +18,7 @@ from . import checkpoint as ckpt
 from . import data, reporting, saving
 from . import distributed as dist
 from .checkpoint.trainer_files import exportable_callbacks, restore_trainer_checkpoint, write_trainer_checkpoint
-from .config import compute_batch_sizes
+from .config_checks import compute_batch_sizes
 from .models import PreparedModels
 from .run_state import PPOTrainerState, RunState
 
@@ -49,7 +49,7 @@ class OnPolicyTrainer(Trainer):
         )
         if use_cache is not None:  # `Trainer` sets it from `args.use_cache`; keep the saved policy's own value
             wrapper.config.use_cache = use_cache
-        # The update divides its losses itself (`update.loss_divisor`); some transformers versions (5.5.0, for
+        # The update scales its losses itself (`update.backward_scale`); some transformers versions (5.5.0, for
         # one) build the Accelerator with `gradient_accumulation_steps`, whose `backward` would divide again.
         self.accelerator.gradient_accumulation_steps = 1
         compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset or ()))

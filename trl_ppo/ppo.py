@@ -1,4 +1,5 @@
-"""The PPO math for language models, as small pure tensor functions (no models, no I/O).
+"""The PPO math for language models, as small pure tensor functions (no models, no I/O): statistics, token
+masks, the KL-shaped rewards, score shaping and GAE. The KL estimators are in `kl.py`, the losses in `losses.py`.
 
 Shapes: `B` episodes, `T` response tokens. A response mask is a bool tensor `[B, T]` that is True on the
 tokens the policy produced, up to and including the stop token, and False on the padding after it.
@@ -113,65 +114,6 @@ def apply_missing_eos_penalty(
 
 
 # ---------------------------------------------------------------------------------------------------- rewards
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probs. `[B, T]` -> `[B, T]`.
-
-    With `log_ratio = logprobs - ref_logprobs` (log pi / pi_ref, the convention of every function here):
-      k1 = log_ratio                             (unbiased, can be negative per token)
-      k3 = (pi_ref / pi - 1) + log_ratio         (unbiased, never negative, lower variance)
-    See http://joschu.net/blog/kl-approx.html.
-    """
-    log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"Unknown kl_estimator {estimator!r}: use 'k1' or 'k3'.")
-
-
-def kl_penalty(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, penalty: str = "kl", estimator: str = "k1"
-) -> torch.Tensor:
-    """Per-token KL penalty from the sampled tokens' log-probs. `[B, T]` -> `[B, T]`.
-
-    With `log_ratio = logprobs - ref_logprobs` (log pi / pi_ref):
-      "kl"  -> `kl_estimate` with `estimator` (k1 = log_ratio, or k3)
-      "abs" -> |log_ratio|
-      "mse" -> 0.5 * log_ratio^2
-    ("full" needs the whole distributions: `full_kl_from_logits`.)
-    """
-    if penalty == "kl":
-        return kl_estimate(logprobs, ref_logprobs, estimator)
-    log_ratio = logprobs - ref_logprobs
-    if penalty == "abs":
-        return log_ratio.abs()
-    if penalty == "mse":
-        return 0.5 * log_ratio.square()
-    raise ValueError(f"Unknown kl_penalty {penalty!r} here: use 'kl', 'abs' or 'mse' ('full' needs the logits).")
-
-
-def full_kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """Exact KL(pi || pi_ref) between two next-token distributions at every position.
-    logits, ref_logits `[B, T, V]` -> `[B, T]` (float32): sum_v pi(v) * (log pi(v) - log pi_ref(v))."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    ref_logp = torch.log_softmax(ref_logits.float(), dim=-1)
-    return (logp.exp() * (logp - ref_logp)).sum(-1)
-
-
-def per_token_kl(
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    response_mask: torch.Tensor,
-    penalty: str = "kl",
-    estimator: str = "k1",
-    full_kl: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The per-token KL term of the rewards `[B, T]`, zero on padding: `kl_penalty(penalty, estimator)` of the
-    log-probs `[B, T]`, or, for `penalty="full"`, the exact `full_kl` `[B, T]` computed from the logits."""
-    kl = full_kl if penalty == "full" else kl_penalty(logprobs, ref_logprobs, penalty, estimator)
-    return kl.masked_fill(~response_mask, 0.0)
-
-
 @dataclass
 class Rewards:
     """Per-token rewards of one rollout and their parts. `B` episodes, `T` response tokens; zero on padding."""
@@ -209,17 +151,6 @@ def per_token_rewards(
     rows = torch.arange(rewards.size(0), device=rewards.device)
     rewards[rows, last_token_index(response_mask)] += scores.to(rewards.dtype)
     return rewards, non_score_rewards
-
-
-def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: int, num_episodes: int) -> float:
-    """The KL coefficient after one update under adaptive KL control (Ziegler et al. 2019, section 2.2).
-
-    error = clip(kl / kl_target - 1, -0.2, 0.2);   kl_coef <- kl_coef * (1 + error * num_episodes / kl_horizon)
-    `kl` is the mean per-sequence KL of the update, `num_episodes` the episodes it used: the coefficient grows
-    when the policy drifts past the target and shrinks when it stays closer.
-    """
-    error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
-    return kl_coef * (1.0 + error * num_episodes / kl_horizon)
 
 
 class RunningMoments:
@@ -267,14 +198,19 @@ def shape_scores(
 
 # ------------------------------------------------------------------------------------------------- advantages
 def compute_gae(
-    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016) over the response tokens.
 
     delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   returns = A + V.
     The episode ends after the last response token (V after it is 0).
 
-    rewards, values, response_mask `[B, T]` -> (advantages `[B, T]`, returns `[B, T]`), zero outside the mask.
+    rewards, values, response_mask `[B, T]`, `lam` a float or one per episode `[B]` -> (advantages `[B, T]`,
+    returns `[B, T]`), zero outside the mask.
     """
     rewards = rewards.masked_fill(~response_mask, 0.0)
     values = values.masked_fill(~response_mask, 0.0)
@@ -291,64 +227,43 @@ def compute_gae(
     return advantages.masked_fill(~response_mask, 0.0), returns.masked_fill(~response_mask, 0.0)
 
 
+def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Length-adaptive GAE lambda (VAPO, Yue et al. 2025): `lam = 1 - 1 / (alpha * length)` per episode, so the
+    advantage of a long response looks further ahead. response_mask `[B, T]` -> `[B]` (float32). Responses shorter
+    than `1 / alpha` tokens would get a negative lambda: it is clamped to 0 (one-step TD advantages)."""
+    lengths = response_mask.sum(-1).clamp(min=1).float()
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(min=0.0)
+
+
 @dataclass
 class Advantages:
     """What the update optimises towards, for one rollout: both `[B, T]`, zero on padding."""
 
     advantages: torch.Tensor  # GAE advantages, whitened over the response tokens
-    returns: torch.Tensor  # advantages (before whitening) + values: the value function's targets
+    returns: torch.Tensor  # GAE advantages (before whitening, with the value lambda) + values: the value targets
+    policy_lam: torch.Tensor | None = None  # [B] the advantages' lambda per episode, when length-adaptive
 
 
 def advantages_and_returns(
-    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    lam_value: float | None = None,
+    length_adaptive_lam_alpha: float | None = None,
 ) -> Advantages:
     """`compute_gae`, then the advantages whitened (zero mean, unit variance over the response tokens).
+
+    Decoupled GAE (VAPO): the returns use `lam_value` (default `lam`), the advantages `lam`; with
+    `length_adaptive_lam_alpha` the advantages use `length_adaptive_lam` per episode and the returns `lam`.
     rewards, values, response_mask `[B, T]` -> `Advantages`."""
-    advantages, returns = compute_gae(rewards, values, response_mask, gamma, lam)
+    policy_lam = (
+        lam if length_adaptive_lam_alpha is None else length_adaptive_lam(response_mask, length_adaptive_lam_alpha)
+    )
+    advantages, returns = compute_gae(rewards, values, response_mask, gamma, policy_lam)
+    value_lam = lam if lam_value is None else lam_value
+    if length_adaptive_lam_alpha is not None or value_lam != lam:  # the returns need their own lambda
+        _, returns = compute_gae(rewards, values, response_mask, gamma, value_lam)
     advantages = masked_whiten(advantages, response_mask).masked_fill(~response_mask, 0.0)
-    return Advantages(advantages, returns)
-
-
-# ----------------------------------------------------------------------------------------------------- losses
-def policy_loss(
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    cliprange: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate loss (Schulman et al. 2017), averaged over the response tokens.
-
-    All inputs `[B, T]`. Returns the loss and detached stats: `clipfrac` (fraction of tokens where the clipped
-    term is the active one), `approxkl` (0.5 * mean squared log-ratio) and `ratio` (mean probability ratio).
-    """
-    log_ratio = new_logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), response_mask)
-    with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
-            "approxkl": 0.5 * masked_mean(log_ratio**2, response_mask),
-            "ratio": masked_mean(ratio, response_mask),
-        }
-    return loss, stats
-
-
-def value_loss(
-    new_values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    response_mask: torch.Tensor,
-    cliprange_value: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss: 0.5 * mean(max((V - R)^2, (V_clipped - R)^2)), V_clipped within +-cliprange_value
-    of the rollout's values. All inputs `[B, T]`. Returns the loss and `clipfrac` (detached)."""
-    clipped_values = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
-    unclipped_loss = (new_values - returns) ** 2
-    clipped_loss = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), response_mask)
-    with torch.no_grad():
-        stats = {"clipfrac": masked_mean((clipped_loss > unclipped_loss).float(), response_mask)}
-    return loss, stats
+    return Advantages(advantages, returns, None if length_adaptive_lam_alpha is None else policy_lam)

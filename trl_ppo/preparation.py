@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from . import checkpoint as ckpt
-from .config import OnPolicyConfig, validate_config
+from .config import OnPolicyConfig
+from .config_checks import validate_config
 from .data import check_datasets, prepare_prompts
 from .models import check_vocabularies, context_length, gradient_checkpointing_kwargs, prepare_models
 from .rewards import Reward, build_rewards, models_reading_policy_ids

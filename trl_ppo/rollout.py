@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed as dist
-from . import ppo
+from . import kl, ppo
 from .data import prompts_on_device
 from .generation import generation_backend
 from .logprobs import ResponseOutput, response_logprobs
@@ -74,10 +74,10 @@ class Rollout:
         return torch.cat([self.query_mask, self.attended_responses], dim=1).long()
 
     def per_token_kl(self, penalty: str = "kl", estimator: str = "k1") -> torch.Tensor:
-        """The KL term of the rewards `[B, T]` (`ppo.per_token_kl` of the filled log-probs, or `full_kl` with
+        """The KL term of the rewards `[B, T]` (`kl.per_token_kl` of the filled log-probs, or `full_kl` with
         `penalty="full"`), zero on padding."""
         mask = self.response_mask
-        return ppo.per_token_kl(self.logprobs, self.ref_logprobs, mask, penalty, estimator, self.full_kl)
+        return kl.per_token_kl(self.logprobs, self.ref_logprobs, mask, penalty, estimator, self.full_kl)
 
     def with_advantages(self, advantages: ppo.Advantages) -> "Rollout":
         """The same episodes carrying `advantages` and `returns` (what the update reads per minibatch)."""
@@ -199,8 +199,8 @@ def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args) -> R
                 results.append(widen(masked_response_logprobs(logprob, episodes), fill=ppo.INVALID_LOGPROB))
             values.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             if full_kl:
-                kl = ppo.full_kl_from_logits(output.logits, ref_output.logits)
-                full_kls.append(widen(kl.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
+                exact = kl.full_kl_from_logits(output.logits, ref_output.logits)
+                full_kls.append(widen(exact.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             del output, ref_output  # one chunk of full logits alive at a time
     rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
     rollout.values = torch.cat(values)

@@ -25,9 +25,11 @@ from . import distributed as dist
 from . import step_api as episodes
 from . import update as ppo_epochs
 from .completions import sample_completions, show_table
-from .config import PPOConfig, stop_and_penalty_tokens
+from .config import PPOConfig
+from .config_checks import stop_and_penalty_tokens
 from .evaluation import evaluation_metrics
 from .generation import resolve_backend
+from .kl import adaptive_kl_coef
 from .metrics import update_metrics
 from .models import (
     PolicyAndValueWrapper,
@@ -207,9 +209,11 @@ class PPOTrainer(OnPolicyTrainer):
         )
 
     def compute_advantages(self, rollout: Rollout, rewards: ppo.Rewards) -> ppo.Advantages:
-        """GAE over the response tokens -> advantages (whitened) and returns, both `[B, T]`."""
-        args = self.args
-        return ppo.advantages_and_returns(rewards.rewards, rollout.values, rollout.response_mask, args.gamma, args.lam)
+        """GAE over the response tokens -> advantages (whitened) and returns, both `[B, T]` (decoupled or
+        length-adaptive lambdas with `lam_value` / `length_adaptive_lam_alpha`)."""
+        args, mask = self.args, rollout.response_mask
+        lambdas = (args.lam, args.lam_value, args.length_adaptive_lam_alpha)
+        return ppo.advantages_and_returns(rewards.rewards, rollout.values, mask, args.gamma, *lambdas)
 
     def ppo_update(
         self, rollout: Rollout, advantages: ppo.Advantages, detailed: bool = False
@@ -237,7 +241,7 @@ class PPOTrainer(OnPolicyTrainer):
         args = self.args
         if args.kl_target is None:
             return self.run.kl_coef
-        return ppo.adaptive_kl_coef(self.run.kl_coef, kl, args.kl_target, args.kl_horizon, args.batch_size)
+        return adaptive_kl_coef(self.run.kl_coef, kl, args.kl_target, args.kl_horizon, args.batch_size)
 
     # ----------------------------------------------------------------------------------- the step API
     @torch.no_grad()

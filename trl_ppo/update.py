@@ -1,6 +1,6 @@
 """The PPO update of one rollout: `num_ppo_epochs` × shuffled minibatches × micro-batches, one optimizer step
 per minibatch, each minibatch judged by its guards first (non-finite loss, `ratio_threshold`, `early_stopping`).
-The losses themselves are in `ppo.py`.
+The losses themselves are in `losses.py`; `micro_batch_loss` composes them as the config asks.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.utils import logging
 
-from . import ppo
+from . import losses, ppo
 from .models import PreparedModels
 from .rollout import Rollout, chunks, masked_response_logprobs
 
@@ -62,13 +62,18 @@ def ppo_update(
 
     Stats are those of the minibatches whose losses were finite; with `early_stopping` / `ratio_threshold`
     (and no non-finite loss) also `policy/early_stop_frac` (minibatches stepped / planned) and
-    `policy/skipped_minibatches`. `detailed` adds the stats of TRL's first PPOTrainer (`detailed_stats`)."""
+    `policy/skipped_minibatches`. `detailed` adds the stats of TRL's first PPOTrainer (`detailed_stats`). The first
+    `critic_warmup_steps` updates train only the value function."""
     episodes = rollout.with_advantages(advantages)
     stats, counts = defaultdict(list), {verdict: 0 for verdict in Verdict}
+    critic_only = update <= args.critic_warmup_steps
     models.model.train()
     for minibatch in shuffled_minibatches(args, episodes.queries.device):
-        minibatch_stats = minibatch_backward(episodes, minibatch, models, args, detailed)
+        minibatch_stats = minibatch_backward(episodes, minibatch, models, args, detailed, critic_only)
         verdict = judge_minibatch(minibatch_stats, models.accelerator, args, update)
+        if critic_only:  # no gradient, so AdamW leaves the policy's weights and its state alone
+            for parameter in models.wrapper.lm.parameters():
+                parameter.grad = None
         if verdict is Verdict.STEP:
             if args.max_grad_norm:
                 models.accelerator.clip_grad_norm_(models.model.parameters(), args.max_grad_norm)
@@ -101,19 +106,42 @@ def shuffled_minibatches(args, device: torch.device) -> Iterator[torch.Tensor]:
 
 
 def minibatch_backward(
-    episodes: Rollout, minibatch: torch.Tensor, models: PreparedModels, args, detailed: bool = False
+    episodes: Rollout,
+    minibatch: torch.Tensor,
+    models: PreparedModels,
+    args,
+    detailed: bool = False,
+    critic_only: bool = False,
 ) -> dict:
     """Forward and backward over one minibatch in passes of `train_forward_batch_size` episodes, gradients
-    accumulated; -> its stats, per micro-batch (each a list of 0-d tensors)."""
+    accumulated into the gradient of the minibatch's loss (aggregated over the whole minibatch on all processes,
+    `loss_agg_mode`); -> its stats, per micro-batch (each a list of 0-d tensors)."""
     passes = minibatch.split(args.train_forward_batch_size)  # whole micro-batches each
-    micro_batches = len(minibatch.split(args.per_device_train_batch_size))
+    aggregation = minibatch_aggregation(episodes.response_mask[minibatch], models.accelerator, args)
+    scale = backward_scale(models.accelerator.num_processes, len(passes), models.is_deepspeed)
     minibatch_stats = defaultdict(list)
     for i, index in enumerate(passes):
         with gradient_sync(models, last=i == len(passes) - 1):
-            pass_stats = pass_backward(episodes.select(index), models, args, micro_batches, detailed)
+            pass_stats = pass_backward(episodes.select(index), models, args, aggregation, scale, detailed, critic_only)
         for key, values in pass_stats.items():
             minibatch_stats[key].extend(values)
     return minibatch_stats
+
+
+def minibatch_aggregation(response_mask: torch.Tensor, accelerator, args) -> losses.LossAggregation:
+    """`loss_agg_mode` with the count of the minibatch `[b, T]` summed over all processes as its normaliser, so
+    that the losses of all its micro-batches, on all processes, add up to the minibatch's loss."""
+    count = losses.aggregation_count(response_mask, args.loss_agg_mode).reshape(1)
+    count = accelerator.reduce(count, reduction="sum").reshape(())
+    return losses.LossAggregation(args.loss_agg_mode, count, args.response_length)
+
+
+def backward_scale(num_processes: int, passes: int, deepspeed: bool) -> int:
+    """What a pass's loss is multiplied by before its backward, so that the optimizer step follows the gradient of
+    the minibatch's loss: the gradients are averaged over processes (DDP and DeepSpeed), and DeepSpeed also
+    divides by its `gradient_accumulation_steps` (= passes per minibatch, `distributed.fit_deepspeed_batch_layout`).
+    Accelerate adds no division of its own (`accelerator.gradient_accumulation_steps` is 1: `OnPolicyTrainer`)."""
+    return num_processes * (passes if deepspeed else 1)
 
 
 def gradient_sync(models: PreparedModels, last: bool):
@@ -126,21 +154,18 @@ def gradient_sync(models: PreparedModels, last: bool):
     return contextlib.nullcontext() if last else models.accelerator.no_sync(models.model)
 
 
-def loss_divisor(micro_batches_in_pass: int, micro_batches_in_minibatch: int, deepspeed: bool) -> int:
-    """What a pass's summed micro-batch losses are divided by, so that the optimizer step follows the mean of the
-    minibatch's micro-batch losses whatever the passes: the minibatch's micro-batch count, or under DeepSpeed,
-    which itself divides by its `gradient_accumulation_steps` (= passes per minibatch,
-    `distributed.fit_deepspeed_batch_layout`), the pass's. Accelerate adds no division of its own
-    (`accelerator.gradient_accumulation_steps` is 1: `OnPolicyTrainer` sets it)."""
-    return micro_batches_in_pass if deepspeed else micro_batches_in_minibatch
-
-
 def pass_backward(
-    episodes: Rollout, models: PreparedModels, args, micro_batches_in_minibatch: int, detailed: bool = False
+    episodes: Rollout,
+    models: PreparedModels,
+    args,
+    aggregation: losses.LossAggregation,
+    scale: int,
+    detailed: bool = False,
+    critic_only: bool = False,
 ) -> dict:
     """One forward/backward over whole micro-batches (`train_forward_batch_size` episodes), without the padding
-    columns common to all of them. The loss is computed per micro-batch (masked means over its tokens) and
-    summed, so the gradient equals that of one pass per micro-batch. -> per-micro-batch stats (lists)."""
+    columns common to all of them; the loss is the sum of the micro-batches' `micro_batch_loss`, times `scale`
+    (`backward_scale`). -> per-micro-batch stats (lists)."""
     episodes = episodes.trim_padding()
     with models.accelerator.autocast():
         output = models.model(
@@ -150,31 +175,78 @@ def pass_backward(
             args.temperature,
             args.logprobs_chunk_size,
             entropy=True,
+            entropy_grad=args.entropy_coef > 0,
         )
     new_logprobs = masked_response_logprobs(output.logprobs, episodes)
     stats, loss = defaultdict(list), 0.0
     for part in chunks(episodes.queries.size(0), args.per_device_train_batch_size):
         micro = episodes.select(part)
-        mask = micro.response_mask
-        pg_loss, pg_stats = ppo.policy_loss(new_logprobs[part], micro.logprobs, micro.advantages, mask, args.cliprange)
-        vf_loss, vf_stats = ppo.value_loss(output.values[part], micro.values, micro.returns, mask, args.cliprange_value)
-        loss = loss + pg_loss + args.vf_coef * vf_loss
-        for key, value in (
-            ("policy/approxkl_avg", pg_stats["approxkl"]),
-            ("policy/clipfrac_avg", pg_stats["clipfrac"]),
-            ("loss/policy_avg", pg_loss.detach()),
-            ("loss/value_avg", vf_loss.detach()),
-            ("val/clipfrac_avg", vf_stats["clipfrac"]),
-            ("policy/entropy_avg", ppo.masked_mean(output.entropy[part], mask)),
-            ("val/ratio", pg_stats["ratio"]),
-        ):
+        new = (new_logprobs[part], output.values[part], output.entropy[part])
+        micro_loss, micro_stats = micro_batch_loss(micro, *new, args, aggregation, critic_only)
+        loss = loss + micro_loss
+        for key, value in micro_stats.items():
             stats[key].append(value)
         if detailed:
             for key, value in detailed_stats(micro, new_logprobs[part], output.values[part]).items():
                 stats[key].append(value)
-    divisor = loss_divisor(len(stats["loss/policy_avg"]), micro_batches_in_minibatch, models.is_deepspeed)
-    models.accelerator.backward(loss / divisor)
+    models.accelerator.backward(loss * scale)
     return stats
+
+
+def micro_batch_loss(
+    micro: Rollout,
+    new_logprobs: torch.Tensor,
+    new_values: torch.Tensor,
+    entropy: torch.Tensor,
+    args,
+    aggregation: losses.LossAggregation,
+    critic_only: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's loss on one micro-batch as the config composes it: the clipped policy loss (clip-higher, dual-clip),
+    the entropy bonus and the KL loss (kept in the graph but weighted 0 while `critic_only`), plus `vf_coef` times
+    the clipped value loss, each reduced by `aggregation`. new_logprobs, new_values, entropy `[b, T]`: the update's
+    forward. -> (its share of the minibatch's loss, its stats: 0-d tensors, losses as this micro-batch's own)."""
+    mask = micro.response_mask
+    low, high = clipranges(args)
+    pg_loss, pg_stats = losses.policy_loss(
+        new_logprobs, micro.logprobs, micro.advantages, mask, low, high, args.dual_clip, aggregation
+    )
+    vf_loss, vf_stats = losses.value_loss(
+        new_values, micro.values, micro.returns, mask, args.cliprange_value, aggregation
+    )
+    own = aggregation.normaliser / losses.aggregation_count(mask, aggregation.mode).clamp(min=1)
+    stats = {
+        "policy/approxkl_avg": pg_stats["approxkl"],
+        "policy/clipfrac_avg": pg_stats["clipfrac"],
+        "loss/policy_avg": pg_loss.detach() * own,
+        "loss/value_avg": vf_loss.detach() * own,
+        "val/clipfrac_avg": vf_stats["clipfrac"],
+        "policy/entropy_avg": ppo.masked_mean(entropy.detach(), mask),
+        "val/ratio": pg_stats["ratio"],
+    }
+    for name in ("clipfrac_low", "clipfrac_high", "dual_clipfrac"):
+        if name in pg_stats:
+            stats[f"policy/{name}_avg"] = pg_stats[name]
+    policy_terms = pg_loss
+    if args.entropy_coef > 0:
+        entropy_term, _ = losses.entropy_loss(entropy, mask, aggregation)
+        policy_terms = policy_terms + args.entropy_coef * entropy_term
+    if args.kl_loss_coef > 0:
+        kl_term, _ = losses.kl_loss(new_logprobs, micro.ref_logprobs, mask, args.kl_loss_estimator, aggregation)
+        policy_terms = policy_terms + args.kl_loss_coef * kl_term
+        stats["loss/kl_avg"] = kl_term.detach() * own
+    if critic_only:  # in the graph, so that every parameter still gets a gradient (as DDP requires)
+        policy_terms = policy_terms * 0.0
+    return policy_terms + args.vf_coef * vf_loss, stats
+
+
+def clipranges(args) -> tuple[float, float | None]:
+    """(the ratio's lower clip range, its upper one or None when symmetric) from `cliprange`, `cliprange_low`
+    and `cliprange_high`."""
+    if args.cliprange_low is None and args.cliprange_high is None:
+        return args.cliprange, None
+    low = args.cliprange if args.cliprange_low is None else args.cliprange_low
+    return low, args.cliprange if args.cliprange_high is None else args.cliprange_high
 
 
 @torch.no_grad()

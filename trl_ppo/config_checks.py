@@ -1,0 +1,209 @@
+"""Checks of a config before any model is touched (`validate_config`), and the batch sizes derived from it once
+the number of processes is known (`compute_batch_sizes`)."""
+
+from __future__ import annotations
+
+import math
+
+from transformers.utils import logging
+
+from .config import OnPolicyConfig, PPOConfig
+from .kl import KL_ESTIMATORS
+from .losses import LOSS_AGG_MODES
+
+logger = logging.get_logger(__name__)
+
+
+def _exact_div(numerator: int, denominator: int, what: str, numerator_name: str, denominator_name: str) -> int:
+    if denominator <= 0 or numerator % denominator != 0:
+        raise ValueError(
+            f"{what}: `{numerator_name}` ({numerator}) must be a multiple of `{denominator_name}` ({denominator})."
+        )
+    return numerator // denominator
+
+
+def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len: int) -> None:
+    """Fill the derived batch sizes of `args` in place, raising a clear error when a division is inexact."""
+    if args.total_episodes is None:
+        args.total_episodes = int(args.num_train_epochs * train_dataset_len)
+    args.world_size = world_size
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.micro_batch_size = args.per_device_train_batch_size * world_size
+    args.batch_size = args.local_batch_size * world_size
+    args.mini_batch_size = _exact_div(
+        args.batch_size,
+        args.num_mini_batches,
+        "Cannot split a batch into minibatches",
+        "batch_size",
+        "num_mini_batches",
+    )
+    args.local_mini_batch_size = _exact_div(
+        args.local_batch_size,
+        args.num_mini_batches,
+        "Cannot split a process's batch into minibatches",
+        "local_batch_size = per_device_train_batch_size * gradient_accumulation_steps",
+        "num_mini_batches",
+    )
+    # As in TRL: a minibatch is cut into micro-batches of `per_device_train_batch_size` (the last may be smaller,
+    # and a minibatch smaller than one micro-batch is one micro-batch); its loss does not depend on the split.
+    micro_batch = min(args.per_device_train_batch_size, args.local_mini_batch_size)
+    if args.train_forward_batch_size is None or args.train_forward_batch_size == args.per_device_train_batch_size:
+        args.train_forward_batch_size = micro_batch  # one micro-batch per pass
+    else:
+        _exact_div(
+            args.train_forward_batch_size,
+            micro_batch,
+            "A training forward must hold whole micro-batches",
+            "train_forward_batch_size",
+            "per_device_train_batch_size",
+        )
+        _exact_div(
+            args.local_mini_batch_size,
+            args.train_forward_batch_size,
+            "Cannot split a minibatch into training forwards",
+            "local_mini_batch_size",
+            "train_forward_batch_size",
+        )
+    if args.total_episodes < args.batch_size:  # TRL accepts it and trains one batch; so do we, but say so
+        logger.warning(
+            f"`total_episodes` ({args.total_episodes}) is smaller than one batch (`batch_size` = {args.batch_size} = "
+            "per_device_train_batch_size * gradient_accumulation_steps * processes): training one batch."
+        )
+    args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+    warmup = getattr(args, "critic_warmup_steps", 0)
+    if warmup >= args.num_total_batches:
+        fail(
+            f"`critic_warmup_steps` ({warmup}) must be smaller than the number of updates ({args.num_total_batches}"
+            " = ceil(total_episodes / batch_size)): otherwise the policy never trains."
+        )
+
+
+def stop_and_penalty_tokens(args: OnPolicyConfig, tokenizer) -> tuple[int | None, int | None]:
+    """(the token that ends a response or None, the token whose absence `missing_eos_penalty` punishes: the stop
+    token, else EOS as in TRL)."""
+    stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+    if args.missing_eos_penalty is not None and stop_token_id is None:
+        logger.warning(
+            "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
+            "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
+        )
+    return stop_token_id, stop_token_id if stop_token_id is not None else tokenizer.eos_token_id
+
+
+def fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def validate_config(args: OnPolicyConfig) -> None:
+    """Reject values that cannot work, before any model is touched. Each error names the argument and the fix."""
+    if args.response_length < 1:
+        fail(f"`response_length` must be at least 1, got {args.response_length}.")
+    if not args.temperature > 0:
+        fail(f"`temperature` must be > 0 (sampling divides logits by it), got {args.temperature}.")
+    if args.stop_token not in (None, "eos"):
+        fail(f"Unknown `stop_token` {args.stop_token!r}: use 'eos', or `stop_token_id` for another token.")
+    if args.stop_token is not None and args.stop_token_id is not None:
+        fail(f"`stop_token` ({args.stop_token!r}) and `stop_token_id` ({args.stop_token_id}) are both set: keep one.")
+    if args.missing_eos_penalty is not None:
+        if args.missing_eos_penalty < 0:
+            fail(f"`missing_eos_penalty` is subtracted, so it must be >= 0; got {args.missing_eos_penalty}.")
+    if args.generation_backend not in ("auto", "kv_cache", "compiled", "compiled_loop", "generate"):
+        fail(
+            f"Unknown `generation_backend` {args.generation_backend!r}: use 'auto', 'kv_cache', 'compiled', "
+            "'compiled_loop' or 'generate'."
+        )
+    if args.logprobs_chunk_size < 0:
+        fail(f"`logprobs_chunk_size` must be >= 0 (0: no chunking), got {args.logprobs_chunk_size}.")
+    if args.train_forward_batch_size is not None and args.train_forward_batch_size < 1:
+        fail(f"`train_forward_batch_size` must be at least 1, got {args.train_forward_batch_size}.")
+    for name in (
+        "num_mini_batches",
+        "local_rollout_forward_batch_size",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+    ):
+        if getattr(args, name) < 1:
+            fail(f"`{name}` must be at least 1, got {getattr(args, name)}.")
+    if args.total_episodes is not None and args.total_episodes < 1:
+        fail(f"`total_episodes` must be at least 1, got {args.total_episodes}.")
+    if isinstance(args, PPOConfig):
+        _validate_ppo_config(args)
+
+
+def _validate_ppo_config(args: PPOConfig) -> None:
+    """`validate_config`'s checks of PPO's own fields."""
+    if args.kl_estimator not in KL_ESTIMATORS:
+        fail(f"Unknown `kl_estimator` {args.kl_estimator!r}: use 'k1', 'k2' or 'k3'.")
+    if args.num_ppo_epochs < 1:
+        fail(f"`num_ppo_epochs` must be at least 1, got {args.num_ppo_epochs}.")
+    if args.kl_target is not None:
+        if not args.kl_target > 0:
+            fail(f"`kl_target` must be > 0 (or None to keep `kl_coef` fixed), got {args.kl_target}.")
+        if not args.kl_coef > 0:
+            fail(f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`, got {args.kl_coef}.")
+    if args.kl_penalty not in ("kl", "abs", "mse", "full"):
+        fail(f"Unknown `kl_penalty` {args.kl_penalty!r}: use 'kl', 'abs', 'mse' or 'full'.")
+    if args.kl_penalty != "kl" and args.kl_estimator != "k1":
+        fail(
+            f"`kl_penalty={args.kl_penalty!r}` replaces the KL estimator, and `kl_estimator={args.kl_estimator!r}` "
+            "asks for another one: keep `kl_estimator='k1'` (the default), or use `kl_penalty='kl'` with it."
+        )
+    if args.use_score_norm and not args.use_score_scaling:
+        fail("`use_score_norm` normalises the scaled scores: it needs `use_score_scaling=True`.")
+    if args.score_clip is not None and not args.score_clip > 0:
+        fail(f"`score_clip` must be > 0 (scores are clipped to +-score_clip), got {args.score_clip}.")
+    if not args.target_kl > 0:
+        fail(f"`target_kl` must be > 0, got {args.target_kl}.")
+    if args.ratio_threshold is not None and not args.ratio_threshold > 1:
+        fail(
+            f"`ratio_threshold` must be > 1 (the mean ratio is about 1 in a healthy minibatch), got "
+            f"{args.ratio_threshold}."
+        )
+    if args.kl_horizon < 1:
+        fail(f"`kl_horizon` must be at least 1, got {args.kl_horizon}.")
+    for name in ("gamma", "lam"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")
+    _validate_large_scale_options(args)
+
+
+def _validate_large_scale_options(args: PPOConfig) -> None:
+    """The options from large-scale RL systems: each value, and the combinations that cannot mean anything."""
+    if args.loss_agg_mode not in LOSS_AGG_MODES:
+        fail(f"Unknown `loss_agg_mode` {args.loss_agg_mode!r}: use one of {', '.join(LOSS_AGG_MODES)}.")
+    for name in ("cliprange_low", "cliprange_high"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            fail(f"`{name}` must be > 0 (or None for `cliprange`), got {value}.")
+    if args.cliprange_low is not None and not args.cliprange_low < 1:
+        fail(
+            f"`cliprange_low` must be < 1 (the ratio is clipped below at 1 - cliprange_low), got {args.cliprange_low}."
+        )
+    if args.dual_clip is not None and not args.dual_clip > 1:
+        fail(
+            f"`dual_clip` must be > 1 (it bounds the loss of a negative-advantage token at -A * dual_clip, a ratio "
+            f"of dual_clip), got {args.dual_clip}."
+        )
+    for name in ("entropy_coef", "kl_loss_coef"):
+        if not getattr(args, name) >= 0:
+            fail(f"`{name}` must be >= 0 (0: off), got {getattr(args, name)}.")
+    if args.critic_warmup_steps < 0:
+        fail(f"`critic_warmup_steps` must be >= 0 (0: off), got {args.critic_warmup_steps}.")
+    if args.lam_value is not None and not 0.0 <= args.lam_value <= 1.0:
+        fail(f"`lam_value` must be in [0, 1] (or None for `lam`), got {args.lam_value}.")
+    if args.length_adaptive_lam_alpha is not None:
+        if not args.length_adaptive_lam_alpha > 0:
+            fail(f"`length_adaptive_lam_alpha` must be > 0 (or None), got {args.length_adaptive_lam_alpha}.")
+        if args.lam_value is not None:
+            fail(
+                f"`length_adaptive_lam_alpha` ({args.length_adaptive_lam_alpha}) and `lam_value` ({args.lam_value}) "
+                "are both set: with length-adaptive GAE the advantages' lambda comes from the response length and "
+                "the returns use `lam` (VAPO: lam=1.0), so `lam_value` would have nothing to set. Drop one."
+            )
+    if args.kl_loss_estimator not in KL_ESTIMATORS:
+        fail(f"Unknown `kl_loss_estimator` {args.kl_loss_estimator!r}: use 'k1', 'k2' or 'k3'.")
+    if args.kl_loss_estimator != "k3" and args.kl_loss_coef == 0:
+        fail(
+            f"`kl_loss_estimator={args.kl_loss_estimator!r}` estimates the KL loss, which is off "
+            "(`kl_loss_coef=0.0`): set `kl_loss_coef` > 0, or leave `kl_loss_estimator` at its default."
+        )
