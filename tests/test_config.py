@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import logging
 import subprocess
 import sys
 
@@ -177,6 +178,11 @@ def test_a_minibatch_smaller_than_a_micro_batch_updates_as_one_micro_batch(
         (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
         (dict(kl_estimator="k4"), "kl_estimator"),
         (dict(lam=1.5), "lam"),
+        (dict(kl_coef=-0.1), r"`kl_coef` must be >= 0, got -0.1"),
+        (dict(vf_coef=-1.0), r"`vf_coef` must be >= 0, got -1.0"),
+        (dict(cliprange=0.0), r"`cliprange` must be > 0, got 0.0"),
+        (dict(cliprange_value=-0.2), r"`cliprange_value` must be > 0, got -0.2"),
+        (dict(max_prompt_length=0), r"`max_prompt_length` must be at least 1"),
     ],
 )
 def test_bad_values_are_rejected(tmp_path, overrides, message):
@@ -210,3 +216,46 @@ def test_trainer_rejects_bad_inputs_before_training(make_config, tokenizer, load
             train_dataset=prompt_dataset,
             **{**common, "reward_model": "not a model"},
         )
+
+
+@pytest.mark.parametrize("strategy, steps", [("save", 0), ("eval", 0), ("logging", -1)])
+def test_interval_steps_of_zero_are_refused_where_used(tmp_path, strategy, steps):
+    message = rf"`{strategy}_steps` must be > 0 with `{strategy}_strategy='steps'`, got {steps}"
+    with pytest.raises(ValueError, match=message):
+        PPOConfig(output_dir=str(tmp_path), **{f"{strategy}_strategy": "steps", f"{strategy}_steps": steps})
+    PPOConfig(output_dir=str(tmp_path), **{f"{strategy}_strategy": "no", f"{strategy}_steps": steps})  # unused
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(response_length="12"), r"`response_length` must be an int, got '12' \(str\)"),
+        (dict(seed="abc"), r"`seed` must be an int, got 'abc' \(str\)"),
+        (dict(total_episodes=10.5), r"`total_episodes` must be an int or None, got 10.5 \(float\)"),
+        (dict(kl_coef="0.05"), r"`kl_coef` must be a float, got '0.05' \(str\)"),
+        (dict(bf16=1), r"`bf16` must be a bool, got 1 \(int\)"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_field_when_the_config_is_made(tmp_path, overrides, message):
+    with pytest.raises(TypeError, match=message):
+        PPOConfig(output_dir=str(tmp_path), **overrides)
+    PPOConfig(output_dir=str(tmp_path), learning_rate=1, total_episodes=None)  # an int is a float; None allowed
+
+
+def test_values_a_user_may_mean_are_warned_about(make_config, tokenizer, load_models, prompt_dataset, caplog):
+    with caplog.at_level(logging.WARNING):
+        build_trainer(make_config(learning_rate=0.0, total_episodes=101 * 64), tokenizer, load_models, prompt_dataset)
+    assert "`learning_rate` is 0" in caplog.text
+    assert "makes 101 passes over the 64 prompts" in caplog.text
+    no_eos = copy.deepcopy(tokenizer)
+    no_eos.eos_token = None
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        config = make_config(stop_token="eos", missing_eos_penalty=1.0)
+        build_trainer(config, no_eos, load_models, prompt_dataset)
+    assert "`stop_token='eos'` with a tokenizer that has no EOS token" in caplog.text
+
+
+def test_a_stop_token_outside_the_vocabulary_is_refused(make_config, tokenizer, load_models, prompt_dataset):
+    with pytest.raises(ValueError, match=rf"`stop_token_id` \({len(tokenizer)}\) is outside the tokenizer's vocab"):
+        build_trainer(make_config(stop_token_id=len(tokenizer)), tokenizer, load_models, prompt_dataset)

@@ -70,6 +70,11 @@ def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len
             "per_device_train_batch_size * gradient_accumulation_steps * processes): training one batch."
         )
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+    if train_dataset_len and args.total_episodes > 100 * train_dataset_len:
+        logger.warning(
+            f"`total_episodes` ({args.total_episodes}) makes {args.total_episodes / train_dataset_len:.0f} passes over "
+            f"the {train_dataset_len} prompts of `train_dataset`: the policy may overfit them. Intended?"
+        )
     warmup = getattr(args, "critic_warmup_steps", 0)
     if warmup >= args.num_total_batches:
         fail(
@@ -82,7 +87,12 @@ def stop_and_penalty_tokens(args: OnPolicyConfig, tokenizer) -> tuple[int | None
     """(the token that ends a response or None, the token whose absence `missing_eos_penalty` punishes: the stop
     token, else EOS as in TRL)."""
     stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
-    if args.missing_eos_penalty is not None and stop_token_id is None:
+    if args.stop_token == "eos" and stop_token_id is None and args.missing_eos_penalty is not None:
+        logger.warning(
+            "`stop_token='eos'` with a tokenizer that has no EOS token: responses are not cut, and "
+            "`missing_eos_penalty` never applies. Set the tokenizer's `eos_token`, or `stop_token_id`."
+        )
+    elif args.missing_eos_penalty is not None and stop_token_id is None:
         logger.warning(
             "`missing_eos_penalty` is set without a stop token: responses are not cut at EOS, and the penalty "
             "applies to those with no EOS anywhere. Set `stop_token='eos'` to end responses at EOS."
@@ -126,6 +136,10 @@ def validate_config(args: OnPolicyConfig) -> None:
             fail(f"`{name}` must be at least 1, got {getattr(args, name)}.")
     if args.total_episodes is not None and args.total_episodes < 1:
         fail(f"`total_episodes` must be at least 1, got {args.total_episodes}.")
+    if args.max_prompt_length is not None and args.max_prompt_length < 1:
+        fail(f"`max_prompt_length` must be at least 1 (or None: no cut), got {args.max_prompt_length}.")
+    if args.learning_rate == 0:
+        logger.warning("`learning_rate` is 0: the policy and value function will not change.")
     if isinstance(args, PPOConfig):
         _validate_ppo_config(args)
 
@@ -136,6 +150,10 @@ def _validate_ppo_config(args: PPOConfig) -> None:
         fail(f"Unknown `kl_estimator` {args.kl_estimator!r}: use 'k1', 'k2' or 'k3'.")
     if args.num_ppo_epochs < 1:
         fail(f"`num_ppo_epochs` must be at least 1, got {args.num_ppo_epochs}.")
+    for name, bound in (("kl_coef", ">= 0"), ("vf_coef", ">= 0"), ("cliprange", "> 0"), ("cliprange_value", "> 0")):
+        value = getattr(args, name)
+        if not (value >= 0 if bound == ">= 0" else value > 0):
+            fail(f"`{name}` must be {bound}, got {value}.")
     if args.kl_target is not None:
         if not args.kl_target > 0:
             fail(f"`kl_target` must be > 0 (or None to keep `kl_coef` fixed), got {args.kl_target}.")

@@ -24,6 +24,11 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
             "`tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (resize the model's embeddings if the "
             "new id is outside them) or `tokenizer.pad_token = tokenizer.eos_token`."
         )
+    if args.stop_token_id is not None and not 0 <= args.stop_token_id < len(tokenizer):
+        raise ValueError(
+            f"`stop_token_id` ({args.stop_token_id}) is outside the tokenizer's vocabulary (ids 0 to "
+            f"{len(tokenizer) - 1}): no response could ever stop. Use an id the tokenizer has."
+        )
     return build_rewards(reward_model, args.reward_weights, reward_processing_class)
 
 
