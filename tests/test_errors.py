@@ -5,10 +5,12 @@ import logging
 
 import pytest
 import torch
+from conftest import tiny_config
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_ppo import PPOTrainer
+from trl_ppo.rewards import reward_function_scores
 
 
 def build(make_config, tokenizer, load_models, dataset, config=None, **models):
@@ -91,7 +93,7 @@ def short_reward(prompts, completions, **columns):
     "reward, message",
     [
         (nan_reward, r"Update 1: Reward 'nan_reward' returned 1 non-finite score"),
-        (short_reward, r"Update 1: Reward function 'short_reward' returned 1 scores for 8 completions"),
+        (short_reward, r"Update 1: Reward function 'short_reward' returned 1 scores: .*, 8 here"),
     ],
 )
 def test_bad_reward_values_name_the_reward_and_the_update(
@@ -187,3 +189,66 @@ def test_no_reference_can_be_copied_from_a_policy_partitioned_at_load(load_model
         parameter.ds_id = 0  # what DeepSpeed ZeRO-3's zero.Init leaves on the weights it partitioned
     with pytest.raises(ValueError, match=r"partitioned by DeepSpeed ZeRO-3 as it loaded.*pass it as `ref_model`"):
         prepare_models(policy, None, value_model, [reward_model])
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        (0.5, r"returned float 0.5, not a list"),
+        (None, r"returned NoneType None, not a list"),
+        ({"score": 1.0}, r"returned dict \{'score': 1.0\}, not a list"),
+        ([[1.0]] * 4, r"returned list \[1.0\] at position 0"),
+        (["1.0"] * 4, r"returned str '1.0' at position 0"),
+    ],
+)
+def test_a_reward_function_returning_something_else_than_numbers_is_named(returned, message):
+    def judge(prompts, completions, **columns):
+        return returned
+
+    with pytest.raises(ValueError, match=rf"Reward function 'judge' {message}.*one float \(or None\) per completion"):
+        reward_function_scores(judge, "judge", ["p"] * 4, ["c"] * 4, {}, "cpu")
+    for fine in ([1, None, 0.5, True], torch.tensor([1.0, 2.0, 3.0, 4.0]), (torch.tensor(1.0),) * 4):
+        scores, present = reward_function_scores(lambda **kw: fine, "fine", ["p"] * 4, ["c"] * 4, {}, "cpu")
+        assert scores.shape == (4,) and present.shape == (4,)
+
+
+def test_a_reward_or_value_model_with_several_outputs_is_refused(make_config, tokenizer, load_models):
+    from transformers import AutoModelForSequenceClassification
+
+    config = tiny_config("gpt_neox", tokenizer)
+    config.num_labels = 2
+    two_labels = AutoModelForSequenceClassification.from_config(config)
+    for role, name in (("reward model", "reward_model"), ("value model", "value_model")):
+        with pytest.raises(ValueError, match=rf"The {role} .* has a `score` head with 2 outputs.*num_labels=1"):
+            build(make_config, tokenizer, load_models, None, make_config(total_episodes=8), **{name: two_labels})
+
+
+def test_a_policy_that_is_not_a_causal_lm_is_refused(make_config, tokenizer, load_models, prompt_dataset):
+    _, value_model, _ = load_models()
+    with pytest.raises(TypeError, match=r"`model` must be a causal language model.*GPTNeoXForSequenceClassification"):
+        build(make_config, tokenizer, load_models, prompt_dataset, model=value_model)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_in_the_dataset_and_in_step(
+    make_config, tokenizer, load_models, prompt_dataset
+):
+    vocab = len(tokenizer)
+    dataset = Dataset.from_dict({"input_ids": [[3, 4, 5]] * 15 + [[3, vocab + 7]]})
+    with pytest.raises(ValueError, match=rf"`train_dataset`'s `input_ids`: row 15 holds token id {vocab + 7}"):
+        build(make_config, tokenizer, load_models, dataset)
+    trainer = build(make_config, tokenizer, load_models, None, make_config(total_episodes=80))
+    queries, responses = [torch.tensor([3, 4])] * 8, [torch.tensor([5, 6])] * 7 + [torch.tensor([5, -1])]
+    with pytest.raises(ValueError, match=r"`step\(\)`'s `responses`: row 7 holds token id -1"):
+        trainer.step(queries, responses, [1.0] * 8)
+
+
+def test_a_dataset_given_as_a_list_or_dict_says_how_to_wrap_it(make_config, tokenizer, load_models):
+    with pytest.raises(TypeError, match=r"`train_dataset` is a list of rows.*Dataset.from_list\(rows\)"):
+        build(make_config, tokenizer, load_models, [{"prompt": "the movie was"}] * 16)
+    with pytest.raises(TypeError, match=r"`train_dataset` is a dict of columns.*Dataset.from_dict\(columns\)"):
+        build(make_config, tokenizer, load_models, {"prompt": ["the movie was"] * 16})
+
+
+def test_no_tokenizer_is_named_as_such(make_config, load_models, prompt_dataset):
+    with pytest.raises(ValueError, match=r"`processing_class` \(the policy's tokenizer\) is None"):
+        build(make_config, None, load_models, prompt_dataset)

@@ -142,10 +142,32 @@ def shared_order_loader(dataset, args, collate, num_processes: int, process_inde
 def prepare_prompts(dataset, tokenizer, args, context_length: int | None, name: str):
     """A dataset of prompts as the trainer uses it: `input_ids` on every row (`prepare_prompt_dataset`), not empty,
     cut to `max_prompt_length` and checked against the model's context (`fit_prompts`). None stays None."""
+    if isinstance(dataset, (list, tuple, dict)):
+        kind = "dict of columns" if isinstance(dataset, dict) else "list of rows"
+        wrap = "Dataset.from_dict(columns)" if isinstance(dataset, dict) else "Dataset.from_list(rows)"
+        raise TypeError(
+            f"`{name}` is a {kind}; the trainer takes a `datasets.Dataset`: wrap it with `{wrap}` "
+            "(`from datasets import Dataset`), each row a `prompt` (text or chat messages) or `input_ids`."
+        )
     dataset = prepare_prompt_dataset(dataset, tokenizer, args.dataset_num_proc)
     if dataset is not None and len(dataset) == 0:
         raise ValueError(f"`{name}` is empty: PPO needs prompts to sample from.")
+    if dataset is not None:
+        check_token_ids(dataset["input_ids"], len(tokenizer), f"`{name}`'s `input_ids`")
     return fit_prompts(dataset, args.max_prompt_length, args.response_length, context_length, name)
+
+
+def check_token_ids(sequences, vocab_size: int, where: str) -> None:
+    """Refuse token ids outside [0, vocab_size) in `sequences` (lists or 1-D tensors of ids), naming the first
+    sequence that has one: an embedding lookup would fail later with an index error, or on a GPU a device assert."""
+    for index, ids in enumerate(sequences):
+        ids = torch.as_tensor(ids)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            bad = ids[(ids < 0) | (ids >= vocab_size)][0].item()
+            raise ValueError(
+                f"{where}: row {index} holds token id {bad}, outside the tokenizer's vocabulary (ids 0 to "
+                f"{vocab_size - 1}). Tokenize with the policy's tokenizer."
+            )
 
 
 def check_datasets(args, train_dataset, eval_dataset) -> None:

@@ -93,6 +93,25 @@ def check_scalar_head_model(model: nn.Module, role: str) -> None:
             f"`model.base_model_prefix` and a `score` head, e.g. "
             f"`AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`."
         )
+    outputs = getattr(model.score, "out_features", 1)
+    if outputs != 1:
+        raise ValueError(
+            f"The {role} ({type(model).__name__}) has a `score` head with {outputs} outputs; PPO reads one scalar "
+            f"per sequence. Load it with one label: `AutoModelForSequenceClassification.from_pretrained(path, "
+            f"num_labels=1)`."
+        )
+
+
+def check_causal_lm(model: nn.Module) -> None:
+    """Fail early when the policy (inside a value-head model or PEFT adapter) is not a causal language model."""
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if head is None or getattr(config, "is_encoder_decoder", False):
+        raise TypeError(
+            f"`model` must be a causal language model (e.g. `AutoModelForCausalLM.from_pretrained(path)`), got "
+            f"{type(lm).__name__}: PPO samples responses token by token from its next-token logits."
+        )
 
 
 class PolicyAndValueWrapper(nn.Module):
@@ -154,6 +173,7 @@ class PolicyAndValueWrapper(nn.Module):
 def with_value_function(model: nn.Module, value_model: nn.Module | None, seed: int) -> nn.Module:
     """The policy to train: `model` as given when a separate `value_model` is checked and used, else `model` with
     a value head (`AutoModelForCausalLMWithValueHead`; a new head is initialised from `seed`)."""
+    check_causal_lm(model)
     if value_model is not None:
         if is_value_head_model(model):
             raise ValueError(

@@ -18,7 +18,12 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
     if not isinstance(args, OnPolicyConfig):
         raise TypeError(f"`args` must be a `PPOConfig`, got {type(args).__name__}.")
     validate_config(args)
-    if tokenizer is None or tokenizer.pad_token_id is None:
+    if tokenizer is None:
+        raise ValueError(
+            "`processing_class` (the policy's tokenizer) is None: the trainer needs it to tokenize prompts, pad them "
+            "and decode responses. Pass `processing_class=AutoTokenizer.from_pretrained(path)`."
+        )
+    if tokenizer.pad_token_id is None:
         raise ValueError(
             "The tokenizer has no pad token, which left-padding of prompts needs. Add one, e.g. "
             "`tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (resize the model's embeddings if the "

@@ -16,6 +16,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import numbers
+import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -176,15 +178,30 @@ async def _await(awaitable):
     return await awaitable
 
 
+def reward_values(result) -> list | str:
+    """What a reward function returned, as a list of numbers and Nones (a 1-D tensor or array too, and 0-d
+    tensors inside it), or, when it is anything else, a description of it for the error message."""
+    if hasattr(result, "ndim") and hasattr(result, "tolist") and result.ndim == 1:
+        result = result.tolist()
+    if not isinstance(result, (list, tuple)):
+        return f"{type(result).__name__} {reprlib.repr(result)}, not a list"
+    values = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in result]
+    for index, value in enumerate(values):
+        if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real)):
+            return f"{type(value).__name__} {reprlib.repr(value)} at position {index} (of {len(values)} values)"
+    return values
+
+
 def reward_function_scores(
     reward_function: RewardFunction, name: str, prompts: list[str], completions: list[str], columns: dict, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (scores `[B]` with 0 where missing, present `[B]` bool: False where the function returned None)."""
-    values = list(call_reward_function(reward_function, prompts=prompts, completions=completions, **columns))
-    if len(values) != len(completions):
+    values = reward_values(call_reward_function(reward_function, prompts=prompts, completions=completions, **columns))
+    if isinstance(values, str) or len(values) != len(completions):
+        got = values if isinstance(values, str) else f"{len(values)} scores"
         raise ValueError(
-            f"Reward function {name!r} returned {len(values)} scores for {len(completions)} completions: it must "
-            "return one float (or None) per completion."
+            f"Reward function {name!r} returned {got}: it must return a list of one float (or None) per "
+            f"completion, {len(completions)} here."
         )
     present = torch.tensor([value is not None for value in values], dtype=torch.bool, device=device)
     scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32, device=device)

@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from . import distributed as dist
 from . import ppo
-from .data import LeftPaddingCollator, prompts_on_device
+from .data import LeftPaddingCollator, check_token_ids, prompts_on_device
 from .models import PolicyAndValueWrapper, PreparedModels, peft_reference
 from .rollout import Rollout, Sampling, chunks, sample_rollout
 from .update import UpdateResult
@@ -149,10 +149,13 @@ def check_response_masks(response_masks, responses: list[torch.Tensor]) -> list[
     return checked
 
 
-def check_episodes(queries, responses, scores, local_batch_size: int):
-    """`step()`'s inputs checked -> (queries, responses: lists of 1-D long tensors; scores: float32 `[B]`)."""
+def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size: int):
+    """`step()`'s inputs checked -> (queries, responses: lists of 1-D long tensors with ids below `vocab_size`;
+    scores: float32 `[B]`)."""
     queries = check_token_lists(list(queries), "queries")
     responses = check_token_lists(list(responses), "responses")
+    check_token_ids(queries, vocab_size, "`step()`'s `queries`")
+    check_token_ids(responses, vocab_size, "`step()`'s `responses`")
     scores = scores_tensor(scores)
     if not len(queries) == len(responses) == scores.numel():
         raise ValueError(
