@@ -93,3 +93,50 @@ def test_trl_style_script_runs_with_only_the_import_changed(model_paths, prompts
     )
     assert "objective/scores" in output
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def refusal(argv) -> str:
+    """The message `trl-ppo` exits with (before any model is loaded)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    return str(exit_.value.code)
+
+
+def test_malformed_yaml_names_file_line_and_column(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rate: 1e-5\nreport_to: [wandb\noutput_dir: out\n")
+    message = refusal(["train", "--config", str(config)])
+    assert message.startswith(f"trl-ppo: {config}:3:11: malformed YAML"), message
+
+
+def test_model_flags_are_checked_before_loading(model_paths, tmp_path):
+    policy_path, value_path = model_paths["gpt_neox"]
+    message = refusal(["--model_name_or_path", policy_path, "--sft_model_path", policy_path])
+    assert "--model_name_or_path needs --reward_model_path" in message
+    for flag in ("model_name_or_path", "sft_model_path", "reward_model_path"):
+        flags = {"model_name_or_path": policy_path, "sft_model_path": policy_path, "reward_model_path": value_path}
+        flags[flag] = str(tmp_path / "no" / "such" / "model")
+        message = refusal(as_flags(flags))
+        assert (
+            message == f"trl-ppo: --{flag} {flags[flag]}: no such folder (nor a hub id like `org/name`); give a "
+            "model folder."
+        ), message
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("prompts.txt", "the movie was\n", "unknown file type '.txt'; use one of .csv, .json, .jsonl, .parquet"),
+        ("prompts.jsonl", "", "the file is empty"),
+        ("missing.jsonl", None, "no such file"),
+    ],
+)
+def test_a_local_prompts_file_that_cannot_be_read_is_named(tmp_path, name, content, message):
+    from trl_ppo.cli import load_prompt_datasets
+    from trl_ppo.script_args import ScriptArguments
+
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit, match=rf"--dataset_name {path}: {message}"):
+        load_prompt_datasets(ScriptArguments(dataset_name=str(path)))

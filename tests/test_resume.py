@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -153,6 +154,32 @@ def test_resume_with_another_batch_size_or_model_names_the_difference(
     other_model = make(make_config, tokenizer, load_models, prompt_dataset, arch="gpt_neox", total_episodes=16)
     with pytest.raises(ValueError, match="policy_fingerprint"):
         other_model.train(resume_from_checkpoint=True)
+
+
+def test_resume_lists_every_changed_setting_and_the_value_it_uses(
+    make_config, tokenizer, load_models, prompt_dataset, caplog
+):
+    first = make(make_config, tokenizer, load_models, prompt_dataset, learning_rate=1e-3, kl_coef=0.05)
+    first.args.num_total_batches = 2  # stopped after update 2, checkpoint-2 written
+    first.train()
+    changed = dict(learning_rate=5e-4, kl_coef=0.1, cliprange=0.1, logging_steps=1)
+    resumed = make(make_config, tokenizer, load_models, prompt_dataset, **changed)
+    resumed.args.num_total_batches = 3
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=True)
+    assert "with changed settings" in caplog.text
+    assert (
+        "`learning_rate`: 0.001 in the checkpoint, 0.0005 now -> uses 0.001, restored with the optimizer" in caplog.text
+    )
+    assert "`kl_coef`: 0.05 in the checkpoint, 0.1 now -> uses 0.05, restored with the run state" in caplog.text
+    assert "`cliprange`: 0.2 in the checkpoint, 0.1 now -> uses 0.1" in caplog.text
+    assert "`logging_steps`: 3 in the checkpoint, 1 now -> uses 1" in caplog.text
+    assert resumed.optimizer.param_groups[0]["initial_lr"] == 1e-3 and resumed.run.kl_coef == 0.05
+    for schedule in (dict(lr_scheduler_type="constant"), dict(warmup_steps=2)):
+        another = make(make_config, tokenizer, load_models, prompt_dataset, **schedule)
+        name = next(iter(schedule))
+        with pytest.raises(ValueError, match=rf"`{name}`: .* in the checkpoint, .* now \(the restored schedule"):
+            another.train(resume_from_checkpoint=True)
 
 
 def test_a_new_run_does_not_overwrite_checkpoints(make_config, tokenizer, load_models, prompt_dataset):

@@ -14,6 +14,7 @@ processes: `accelerate launch [--config_file ...] -m trl_ppo train ...`.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from transformers import HfArgumentParser
@@ -89,7 +90,13 @@ def config_file_flags(path: str) -> list[str]:
     if not os.path.isfile(path):
         raise SystemExit(f"trl-ppo: the config file {path} does not exist.")
     with open(path, encoding="utf-8") as handle:
-        options = yaml.load(handle, Loader=_yaml_loader()) or {}
+        try:
+            options = yaml.load(handle, Loader=_yaml_loader()) or {}
+        except yaml.YAMLError as error:  # file:line:column and the problem, not a traceback
+            mark = getattr(error, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+            problem = getattr(error, "problem", None) or str(error)
+            raise SystemExit(f"trl-ppo: {where}: malformed YAML: {problem}.") from None
     if not isinstance(options, dict):
         raise SystemExit(f"trl-ppo: {path} must hold a mapping of option names to values.")
     actions = {action.dest: action for action in build_parser()._actions}
@@ -120,9 +127,13 @@ def load_prompt_datasets(script_args: ScriptArguments, eval_samples: int = 100):
 
     name = script_args.dataset_name
     extension = os.path.splitext(name)[1].lower()
-    if os.path.isfile(name) and extension in LOCAL_DATA_FORMATS:
+    if os.path.isfile(name):
+        check_local_data_file(name, extension)
         splits = load_dataset(LOCAL_DATA_FORMATS[extension], data_files={"train": name})
+    elif extension in LOCAL_DATA_FORMATS:
+        raise SystemExit(f"trl-ppo: --dataset_name {name}: no such file.")
     else:
+        check_model_source(name, "dataset_name", "a dataset folder or file")
         splits = load_dataset(name, name=script_args.dataset_config)
     if script_args.dataset_train_split not in splits:
         raise ValueError(
@@ -136,6 +147,43 @@ def load_prompt_datasets(script_args: ScriptArguments, eval_samples: int = 100):
     if eval_samples == 0:
         return train, None
     return train.select(range(len(train) - eval_samples)), train.select(range(len(train) - eval_samples, len(train)))
+
+
+def check_local_data_file(path: str, extension: str) -> None:
+    """Refuse, with the fix, a local prompts file that `datasets` cannot read: an unknown extension, or empty."""
+    if extension not in LOCAL_DATA_FORMATS:
+        raise SystemExit(
+            f"trl-ppo: --dataset_name {path}: unknown file type {extension or '(no extension)'!r}; use one of "
+            f"{', '.join(sorted(LOCAL_DATA_FORMATS))} (one prompt per row, in a `prompt` column)."
+        )
+    if os.path.getsize(path) == 0:
+        raise SystemExit(f"trl-ppo: --dataset_name {path}: the file is empty; it needs one prompt per row.")
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")  # "name" or "org/name", as the hub allows
+
+
+def check_model_source(value: str, flag: str, what: str = "a model folder") -> None:
+    """A `--flag` value must be an existing local folder or a hub id (`org/name`): anything else (a mistyped path)
+    fails here naming the flag, rather than inside `from_pretrained` with "Repo id must be in the form"."""
+    if os.path.isdir(value) or (HUB_ID.match(value) and not value.startswith(".")):
+        return
+    raise SystemExit(f"trl-ppo: --{flag} {value}: no such folder (nor a hub id like `org/name`); give {what}.")
+
+
+def check_model_flags(training_args: PPOConfig, model_args: ModelConfig, argv: list[str]) -> None:
+    """The model flags of `trl-ppo --model_name_or_path ...`, before anything is loaded: each path exists (or is a
+    hub id), and the reward model is named (its field has a hub default from TRL's example, which would silently
+    score with an untrained model)."""
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    if "--reward_model_path" not in given:
+        raise SystemExit(
+            "trl-ppo: --model_name_or_path needs --reward_model_path: the reward (and value) model to train "
+            "against. Without it the run would score with an untrained default model."
+        )
+    check_model_source(model_args.model_name_or_path, "model_name_or_path")
+    check_model_source(training_args.sft_model_path, "sft_model_path")
+    check_model_source(training_args.reward_model_path, "reward_model_path")
 
 
 def load_models(training_args: PPOConfig, model_args: ModelConfig):
@@ -192,7 +240,10 @@ def prompt_datasets(script_args: ScriptArguments):
 def train_and_save(
     training_args, model_args, tokenizer, policy, ref_policy, reward, value_model, datasets, dataset_name=None
 ) -> None:
-    """Train, show the final completions table and save the policy (with its model card) to `output_dir`."""
+    """Train, save the policy (with its model card) to `output_dir`, then show the final completions table. A
+    SIGTERM/SIGINT at the end of training or during the save lets the save finish and exits with status 0
+    (`PPOTrainer.train`, `save_model`); during the table, it ends the table, not the process."""
+    from .checkpoint import PreemptionHandler
     from .trainer import PPOTrainer
 
     train_dataset, eval_dataset = datasets
@@ -209,10 +260,12 @@ def train_and_save(
     )
     trainer.model_card_dataset = dataset_name or "the prompts shipped with trl_ppo"
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.generate_completions()
-    trainer.save_model(training_args.output_dir)
+    trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
     if trainer.is_world_process_zero():
         print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
+    if trainer.stop_signal is None:
+        with PreemptionHandler():
+            trainer.generate_completions()
 
 
 def run_default_job(argv: list[str]) -> None:
@@ -271,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         if model_args.model_name_or_path is None:
             run_default_job(argv)
         else:
+            check_model_flags(training_args, model_args, argv)
             run_from_models(script_args, training_args, model_args)
     else:
         raise SystemExit(f"trl-ppo: unknown command {command!r}: use `train` (the default), `plot` or `env`.")

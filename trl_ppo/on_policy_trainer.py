@@ -136,8 +136,10 @@ class OnPolicyTrainer(Trainer):
         self._training_active = False
         if self.run.metrics_since_log:
             self.log(self.run.metrics_since_log.pop())
-        if self.args.should_save:
-            reporting.save_run_log(self.args.output_dir, self.state)
+        if self.args.should_save:  # reporting: a failure (a full disk) must not cost the trained model
+            reporting.warn_on_failure(
+                "the run's log and curves", reporting.save_run_log, self.args.output_dir, self.state
+            )
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         if self.control.should_save:
             self._write_checkpoint()

@@ -6,6 +6,10 @@ import json
 import os
 import platform
 
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
 # (panel title, metrics drawn in it): the curves a PPO practitioner reads first.
 CURVES = (
     ("score", ("objective/scores", "eval_objective/scores")),
@@ -178,6 +182,17 @@ def show_progress(callbacks: list, metrics: dict) -> None:
                 score=f"{metrics['objective/scores']:.3g}",
                 kl=f"{metrics['objective/kl']:.3g}",
             )
+
+
+def warn_on_failure(what: str, write, *args) -> bool:
+    """`write(*args)`, a report (curves, model card) beside the trained model; a failure of it (a full disk,
+    a plotting error) is a warning, never the loss of the run. -> whether it was written."""
+    try:
+        write(*args)
+        return True
+    except Exception as error:  # noqa: BLE001 - whatever went wrong, the model matters more than its report
+        logger.warning(f"Could not write {what}: {type(error).__name__}: {error}. The model is not affected.")
+        return False
 
 
 def save_run_log(output_dir: str, state) -> None:

@@ -20,7 +20,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from . import data, ppo, saving
+from . import data, ppo, reporting, saving
 from . import distributed as dist
 from . import step_api as episodes
 from . import update as ppo_epochs
@@ -102,6 +102,7 @@ class PPOTrainer(OnPolicyTrainer):
         self.stop_token_id, self.penalty_token_id = stop_and_penalty_tokens(args, tokenizer)
         self.rewards, self.reward_model, self.is_peft_model = rewards, reward_model, is_peft_model(model)
         self.model_card_dataset: str | None = None  # what the model card calls the prompts (the CLI sets it)
+        self.stop_signal: str | None = None  # a SIGTERM/SIGINT that came at the end of `train()` (it finished)
         collator = data.LeftPaddingCollator(tokenizer.pad_token_id) if data_collator is None else data_collator
         wrapper = PolicyAndValueWrapper(model, value_model)
         datasets = (train_dataset, eval_dataset)
@@ -142,7 +143,9 @@ class PPOTrainer(OnPolicyTrainer):
 
         `resume_from_checkpoint`: a checkpoint folder, or True for the newest complete one in `output_dir`.
         On SIGTERM/SIGINT the update in progress is finished (or, if its optimisation has not begun, dropped),
-        a checkpoint is written and the process exits with status 0.
+        a checkpoint is written and the process exits with status 0. During the last update, or while the run's
+        end is written (log, curves), the run is finished instead and `stop_signal` names the signal: the caller
+        then saves the model and stops (`save_model` finishes its write before honouring a signal).
         """
         args = self.args
         if self.train_dataset is None:
@@ -162,7 +165,8 @@ class PPOTrainer(OnPolicyTrainer):
                 rollout.scores, scores_per_reward = self.score(rollout, batch)
                 rewards = self.compute_rewards(rollout)  # score - kl_coef * KL, per token
                 advantages = self.compute_advantages(rollout, rewards)  # GAE
-                if ckpt.stop_requested(preemption, self.accelerator):
+                last = update == args.num_total_batches  # a stop then finishes the run instead
+                if not last and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
                 update_stats = self.ppo_update(rollout, advantages).stats
 
@@ -170,11 +174,13 @@ class PPOTrainer(OnPolicyTrainer):
                 self.run.kl_coef = self.adapted_kl_coef(metrics["objective/kl"])
                 self.lr_scheduler.step()
                 self._end_update(metrics)  # log / evaluate / save
-                if ckpt.stop_requested(preemption, self.accelerator):
+                if not last and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, None)
                 if self.control.should_training_stop:
                     break
-        return self._end_training()
+            output = self._end_training()
+            self.stop_signal = preemption.requested if ckpt.stop_requested(preemption, self.accelerator) else None
+        return output
 
     def collect_rollout(self, batch: dict) -> Rollout:
         """Sample one response per prompt of a collated batch, then compute `logprobs`, `ref_logprobs` and
@@ -410,17 +416,30 @@ class PPOTrainer(OnPolicyTrainer):
         """Write the policy (or its PEFT adapter) and tokenizer in the Hugging Face format; checkpoints and
         `save_value_model=True` also write a separate value model to `<output_dir>/value_model`. A shared value
         head is always written, as `value_head.safetensors` beside the policy. Outside checkpoints, a model card
-        (README.md) too."""
+        (README.md) too, and a SIGTERM/SIGINT that arrives meanwhile waits until the model is on disk, then exits
+        with status 0."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call:  # a checkpoint's part: the checkpoint guards the whole write
+            return self._save_models(output_dir, _internal_call)
+        with ckpt.PreemptionHandler() as preemption:
+            self._save_models(output_dir, _internal_call)
+            if self.args.should_save:
+                reporting.warn_on_failure("the model card", self._write_model_card, output_dir)
+        if preemption.requested:
+            logger.warning(f"{preemption.requested} during `save_model`: the model is saved in {output_dir}; exiting.")
+            raise SystemExit(0)
+
+    def _write_model_card(self, output_dir: str) -> None:
+        dataset = self.model_card_dataset or f"{len(self.train_dataset or ())} prompts given as a `datasets.Dataset`"
+        lm, history = self._models().wrapper.lm, self.state.log_history
+        saving.write_model_card(output_dir, self.args, history, lm, self.rewards, dataset)
+
+    def _save_models(self, output_dir: str, _internal_call: bool) -> None:
+        """The policy (`Trainer.save_model` -> `_save`) and, in checkpoints or with `save_value_model`, the value
+        model."""
         super().save_model(output_dir, _internal_call=_internal_call)
         if _internal_call or self.args.save_value_model:
             saving.save_value_model(self._models(), os.path.join(output_dir, "value_model"), self.args.should_save)
-        if not _internal_call and self.args.should_save:
-            dataset = (
-                self.model_card_dataset or f"{len(self.train_dataset or ())} prompts given as a `datasets.Dataset`"
-            )
-            lm, history = self._models().wrapper.lm, self.state.log_history
-            saving.write_model_card(output_dir, self.args, history, lm, self.rewards, dataset)
 
 
 __all__ = ["PPOTrainer"]

@@ -3,7 +3,13 @@ decide the shape of the run, and a fingerprint of each model it started from."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+from transformers import TrainingArguments
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 # Settings that decide the shape of the run: resuming with another value cannot reproduce it.
 MUST_MATCH = (
@@ -15,6 +21,69 @@ MUST_MATCH = (
     "response_length",
     "seed",
 )
+
+
+# Settings a resumed run may change, but whose checkpoint value wins: the optimizer and scheduler states (the
+# learning rate) and the run state (the KL coefficient) are restored.
+CHECKPOINT_WINS = {"learning_rate": "the optimizer and scheduler states", "kl_coef": "the run state"}
+# Settings whose change would splice two learning-rate schedules (the restored step count and base rates, this
+# run's shape and length): refused.
+SCHEDULE = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "total_episodes")
+# `TrainingArguments` fields worth comparing on resume (the others are paths, hub and hardware settings).
+TRAINING_FIELDS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "warmup_ratio",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "optim",
+    "bf16",
+    "fp16",
+    "num_train_epochs",
+    "gradient_checkpointing",
+    "logging_steps",
+    "save_steps",
+    "eval_steps",
+    "save_strategy",
+    "eval_strategy",
+    "report_to",
+)
+
+
+def config_snapshot(args) -> dict:
+    """The settings of `args` a checkpoint records, JSON-ready: every field trl_ppo's configs add to
+    `TrainingArguments` and the `TRAINING_FIELDS`, each as `repr` where it is not a plain JSON value."""
+    own = {f.name for f in dataclasses.fields(args)} - {f.name for f in dataclasses.fields(TrainingArguments)}
+    snapshot = {}
+    for name in sorted(own | set(TRAINING_FIELDS)):
+        value = getattr(args, name, None)
+        value = getattr(value, "value", value)  # enums (strategies, scheduler types) by their value
+        ok = value is None or isinstance(value, (bool, int, float, str)) or isinstance(value, (list, dict))
+        snapshot[name] = value if ok else repr(value)
+    return snapshot
+
+
+def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(changes that make it another run, changes allowed) between a checkpoint's `config_snapshot` and this
+    run's, each a line naming the setting, both values and which one the resumed run uses."""
+    refused, allowed = [], []
+    for name in sorted(set(saved) & set(current)):
+        old, new = saved[name], current[name]
+        if old == new:
+            continue
+        line = f"`{name}`: {old!r} in the checkpoint, {new!r} now"
+        if name in SCHEDULE:
+            refused.append(f"{line} (the restored schedule would be spliced with another)")
+        elif name in CHECKPOINT_WINS:
+            allowed.append(f"{line} -> uses {old!r}, restored with {CHECKPOINT_WINS[name]}")
+        else:
+            allowed.append(f"{line} -> uses {new!r}")
+    return refused, allowed
 
 
 def model_fingerprint(model: torch.nn.Module | None) -> dict | None:
@@ -31,21 +100,28 @@ def model_fingerprint(model: torch.nn.Module | None) -> dict | None:
 
 
 def run_identity(args, fingerprints: dict) -> dict:
-    """What must match between the run that wrote a checkpoint and the run that resumes it: the settings of
-    `MUST_MATCH` and the initial models' `fingerprints` (`{"<role>_fingerprint": model_fingerprint(model)}`)."""
-    return {**{name: getattr(args, name) for name in MUST_MATCH}, **fingerprints}
+    """What a checkpoint records about its run: the settings of `MUST_MATCH` and the initial models'
+    `fingerprints` (`{"<role>_fingerprint": model_fingerprint(model)}`), which must match to resume, and the
+    `config` (`config_snapshot`), whose changes are listed."""
+    return {**{name: getattr(args, name) for name in MUST_MATCH}, **fingerprints, "config": config_snapshot(args)}
 
 
 def check_resumable(saved: dict, current: dict, checkpoint: str) -> None:
-    """Raise an error that names every difference between the saved and the current run identity."""
+    """Raise an error that names every difference between the saved and the current run identity that makes it
+    another run; log the allowed setting changes, each with the value used."""
     differences = [
         f"`{key}`: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
         for key in current
-        if saved.get(key) != current[key]
+        if key != "config" and saved.get(key) != current[key]
     ]
+    refused, allowed = config_changes(saved.get("config", {}), current["config"])  # older checkpoints: none
+    differences += refused
+    if allowed and not differences:
+        logger.warning(f"Resuming from {checkpoint} with changed settings:\n  " + "\n  ".join(allowed))
     if differences:
         raise ValueError(
             f"Cannot resume from {checkpoint}: it was written by a different run.\n  "
             + "\n  ".join(differences)
-            + "\nResume with the same batch layout, seed and models, or start a new run in another `output_dir`."
+            + "\nResume with the same batch layout, seed, models and learning-rate schedule, or start a new run in "
+            "another `output_dir`."
         )
