@@ -139,9 +139,10 @@ def shared_order_loader(dataset, args, collate, num_processes: int, process_inde
     return loader, sampler
 
 
-def prepare_prompts(dataset, tokenizer, args, context_length: int | None, name: str):
+def prepare_prompts(dataset, tokenizer, args, context_length: int | None, name: str, vocab_size: int | None = None):
     """A dataset of prompts as the trainer uses it: `input_ids` on every row (`prepare_prompt_dataset`), not empty,
-    cut to `max_prompt_length` and checked against the model's context (`fit_prompts`). None stays None."""
+    with ids below `vocab_size` (default: the tokenizer's length), cut to `max_prompt_length` and checked against
+    the model's context (`fit_prompts`). None stays None."""
     if isinstance(dataset, (list, tuple, dict)):
         kind = "dict of columns" if isinstance(dataset, dict) else "list of rows"
         wrap = "Dataset.from_dict(columns)" if isinstance(dataset, dict) else "Dataset.from_list(rows)"
@@ -153,7 +154,7 @@ def prepare_prompts(dataset, tokenizer, args, context_length: int | None, name: 
     if dataset is not None and len(dataset) == 0:
         raise ValueError(f"`{name}` is empty: PPO needs prompts to sample from.")
     if dataset is not None:
-        check_token_ids(dataset["input_ids"], len(tokenizer), f"`{name}`'s `input_ids`")
+        check_token_ids(dataset["input_ids"], vocab_size or len(tokenizer), f"`{name}`'s `input_ids`")
     return fit_prompts(dataset, args.max_prompt_length, args.response_length, context_length, name)
 
 
@@ -165,7 +166,7 @@ def check_token_ids(sequences, vocab_size: int, where: str) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             bad = ids[(ids < 0) | (ids >= vocab_size)][0].item()
             raise ValueError(
-                f"{where}: row {index} holds token id {bad}, outside the tokenizer's vocabulary (ids 0 to "
+                f"{where}: row {index} holds token id {bad}, outside the policy's vocabulary (ids 0 to "
                 f"{vocab_size - 1}). Tokenize with the policy's tokenizer."
             )
 

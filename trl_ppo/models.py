@@ -316,6 +316,14 @@ def context_length(model: nn.Module) -> int | None:
     return None
 
 
+def vocabulary_size(model: nn.Module, tokenizer) -> int:
+    """The token ids the policy `model` can read: its input embeddings (often padded beyond the tokenizer, e.g.
+    pythia's 50304 for 50277 tokens), or the tokenizer's length where the model does not say."""
+    lm = causal_lm(model)
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None) or len(tokenizer)
+
+
 def check_vocabularies(tokenizer, models: dict[str, nn.Module | None]) -> None:
     """Every model that reads the policy's token ids must have an embedding for each of them."""
     for role, model in models.items():

@@ -9,7 +9,13 @@ from . import checkpoint as ckpt
 from .config import OnPolicyConfig
 from .config_checks import validate_config
 from .data import check_datasets, prepare_prompts
-from .models import check_vocabularies, context_length, gradient_checkpointing_kwargs, prepare_models
+from .models import (
+    check_vocabularies,
+    context_length,
+    gradient_checkpointing_kwargs,
+    prepare_models,
+    vocabulary_size,
+)
 from .rewards import Reward, build_rewards, models_reading_policy_ids
 
 
@@ -40,9 +46,9 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
 def prepare_data(args, tokenizer, train_dataset, eval_dataset, policy: nn.Module) -> tuple:
     """Both prompt datasets with `input_ids`, cut to `max_prompt_length` and checked against the policy's context
     and against the config -> (train_dataset, eval_dataset); each may be None."""
-    context = context_length(policy)
-    train_dataset = prepare_prompts(train_dataset, tokenizer, args, context, "train_dataset")
-    eval_dataset = prepare_prompts(eval_dataset, tokenizer, args, context, "eval_dataset")
+    context, vocab = context_length(policy), vocabulary_size(policy, tokenizer)
+    train_dataset = prepare_prompts(train_dataset, tokenizer, args, context, "train_dataset", vocab)
+    eval_dataset = prepare_prompts(eval_dataset, tokenizer, args, context, "eval_dataset", vocab)
     check_datasets(args, train_dataset, eval_dataset)
     return train_dataset, eval_dataset
 

@@ -37,6 +37,7 @@ from .models import (
     context_length,
     is_peft_model,
     shared_parameters,
+    vocabulary_size,
     with_value_function,
 )
 from .on_policy_trainer import OnPolicyTrainer
@@ -286,7 +287,7 @@ class PPOTrainer(OnPolicyTrainer):
         episodes: `queries` and `responses` as 1-D token ids (the responses exactly as produced, a stop token
         included, no padding) and one score each (floats, 0-d tensors or a `[B]` tensor). `response_masks`: one
         1-D 0/1 tensor per response leaving tokens (e.g. tool output) out of training. -> the update's metrics."""
-        size = (self.args.local_batch_size, len(self.processing_class))
+        size = (self.args.local_batch_size, self.vocabulary_size)
         queries, responses, scores = episodes.check_episodes(queries, responses, scores, *size)
         response_masks = episodes.check_response_masks(response_masks, responses)
         return self.update_on_episodes(queries, responses, scores, response_masks).metrics
@@ -341,8 +342,9 @@ class PPOTrainer(OnPolicyTrainer):
         (`evaluation.evaluation_metrics`). `eval` is `metric_key_prefix`; trackers show `eval_x` as `eval/x`."""
         dataset = self.eval_dataset
         if eval_dataset is not None:
-            context = context_length(self._models().wrapper.lm)
-            dataset = data.prepare_prompts(eval_dataset, self.processing_class, self.args, context, "eval_dataset")
+            context, vocab = context_length(self._models().wrapper.lm), self.vocabulary_size
+            tokenizer = self.processing_class
+            dataset = data.prepare_prompts(eval_dataset, tokenizer, self.args, context, "eval_dataset", vocab)
         if dataset is None:
             raise ValueError("`evaluate()` needs prompts: pass `eval_dataset` to it or to the trainer.")
         step = self.state.global_step
@@ -372,6 +374,11 @@ class PPOTrainer(OnPolicyTrainer):
         return rows
 
     # ------------------------------------------------------------------------------ what the steps share
+    @property
+    def vocabulary_size(self) -> int:
+        """The token ids the policy reads (`models.vocabulary_size`): prompts and `step()` episodes must be below."""
+        return vocabulary_size(self._models().wrapper.lm, self.processing_class)
+
     def _models(self) -> PreparedModels:
         return PreparedModels(self.accelerator, self.model, self.ref_model)
 

@@ -178,7 +178,7 @@ class PPOTrainer:
         queries = episodes.check_token_lists(queries, "queries")
         responses = episodes.check_token_lists(responses, "responses")
         for name, tensors in (("queries", queries), ("responses", responses)):
-            check_token_ids(tensors, len(self.tokenizer), f"`step()`'s `{name}`")
+            check_token_ids(tensors, self.trainer.vocabulary_size, f"`step()`'s `{name}`")
         response_masks = episodes.check_response_masks(response_masks, responses)
         outcome = self.trainer.update_on_episodes(queries, responses, scores, response_masks, detailed=True)
         return step_stats(outcome, queries, responses, self.config.vf_coef, self.accelerator, started)
