@@ -178,31 +178,34 @@ async def _await(awaitable):
     return await awaitable
 
 
-def reward_values(result) -> list | str:
-    """What a reward function returned, as a list of numbers and Nones (a 1-D tensor or array too, and 0-d
-    tensors inside it), or, when it is anything else, a description of it for the error message."""
+def reward_values(result, name: str, count: int) -> list:
+    """What reward function `name` returned for `count` completions, checked: a list (or 1-D tensor or array)
+    of numbers (0-d tensors too) and Nones, one per completion; anything else raises, naming what it was."""
     if hasattr(result, "ndim") and hasattr(result, "tolist") and result.ndim == 1:
         result = result.tolist()
     if not isinstance(result, (list, tuple)):
-        return f"{type(result).__name__} {reprlib.repr(result)}, not a list"
-    values = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in result]
-    for index, value in enumerate(values):
-        if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, numbers.Real)):
-            return f"{type(value).__name__} {reprlib.repr(value)} at position {index} (of {len(values)} values)"
-    return values
+        wrong = f"{type(result).__name__} {reprlib.repr(result)}, not a list"
+    else:
+        result = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in result]
+        bad = [(i, v) for i, v in enumerate(result) if v is not None and not isinstance(v, numbers.Real)]
+        wrong = f"{len(result)} scores" if len(result) != count else None
+        if bad:
+            index, value = bad[0]
+            wrong = f"{type(value).__name__} {reprlib.repr(value)} at position {index} (of {len(result)} values)"
+    if wrong is not None:
+        raise ValueError(
+            f"Reward function {name!r} returned {wrong}: it must return a list of one float (or None) per "
+            f"completion, {count} here."
+        )
+    return result
 
 
 def reward_function_scores(
     reward_function: RewardFunction, name: str, prompts: list[str], completions: list[str], columns: dict, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (scores `[B]` with 0 where missing, present `[B]` bool: False where the function returned None)."""
-    values = reward_values(call_reward_function(reward_function, prompts=prompts, completions=completions, **columns))
-    if isinstance(values, str) or len(values) != len(completions):
-        got = values if isinstance(values, str) else f"{len(values)} scores"
-        raise ValueError(
-            f"Reward function {name!r} returned {got}: it must return a list of one float (or None) per "
-            f"completion, {len(completions)} here."
-        )
+    result = call_reward_function(reward_function, prompts=prompts, completions=completions, **columns)
+    values = reward_values(result, name, len(completions))
     present = torch.tensor([value is not None for value in values], dtype=torch.bool, device=device)
     scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32, device=device)
     return scores, present

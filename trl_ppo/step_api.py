@@ -154,8 +154,7 @@ def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size
     scores: float32 `[B]`)."""
     queries = check_token_lists(list(queries), "queries")
     responses = check_token_lists(list(responses), "responses")
-    check_token_ids(queries, vocab_size, "`step()`'s `queries`")
-    check_token_ids(responses, vocab_size, "`step()`'s `responses`")
+    check_episode_token_ids(queries, responses, vocab_size)
     scores = scores_tensor(scores)
     if not len(queries) == len(responses) == scores.numel():
         raise ValueError(
@@ -185,6 +184,12 @@ def episode_rows(batch: dict, rewards, columns_to_log, tokenizer) -> list[dict]:
     for row, reward in zip(rows, scores_tensor(rewards).tolist()):
         row["reward"] = reward
     return rows
+
+
+def check_episode_token_ids(queries: list[torch.Tensor], responses: list[torch.Tensor], vocab_size: int) -> None:
+    """Refuse a query or response token id that the policy cannot read (`data.check_token_ids`)."""
+    check_token_ids(queries, vocab_size, "`step()`'s `queries`")
+    check_token_ids(responses, vocab_size, "`step()`'s `responses`")
 
 
 def check_token_lists(tensors: list, name: str) -> list[torch.Tensor]:

@@ -63,7 +63,7 @@ def config_snapshot(args) -> dict:
     for name in sorted(own | set(TRAINING_FIELDS)):
         value = getattr(args, name, None)
         value = getattr(value, "value", value)  # enums (strategies, scheduler types) by their value
-        ok = value is None or isinstance(value, (bool, int, float, str)) or isinstance(value, (list, dict))
+        ok = value is None or isinstance(value, (bool, int, float, str, list, dict))
         snapshot[name] = value if ok else repr(value)
     return snapshot
 

@@ -20,7 +20,6 @@ from transformers.trainer_callback import PrinterCallback
 from .. import distributed as dist
 from .. import step_api as episodes
 from ..completions import log_table_to_wandb
-from ..data import check_token_ids
 from ..trainer import PPOTrainer as CorePPOTrainer
 from ..value_head import is_value_head_model
 from .config import PPOConfig, core_config
@@ -177,8 +176,7 @@ class PPOTrainer:
         scores = check_step_inputs(self.config.batch_size, queries, responses, scores, response_masks)
         queries = episodes.check_token_lists(queries, "queries")
         responses = episodes.check_token_lists(responses, "responses")
-        for name, tensors in (("queries", queries), ("responses", responses)):
-            check_token_ids(tensors, self.trainer.vocabulary_size, f"`step()`'s `{name}`")
+        episodes.check_episode_token_ids(queries, responses, self.trainer.vocabulary_size)
         response_masks = episodes.check_response_masks(response_masks, responses)
         outcome = self.trainer.update_on_episodes(queries, responses, scores, response_masks, detailed=True)
         return step_stats(outcome, queries, responses, self.config.vf_coef, self.accelerator, started)
