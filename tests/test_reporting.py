@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import struct
+import time
 
 import pytest
 from PIL import Image
@@ -152,14 +153,14 @@ def test_eval_strategy_without_eval_dataset_is_refused(tmp_path):
         PPOTrainer(config, tokenizer, policy, None, positive_words_reward, default_prompts(), value_model)
 
 
-def wandb_history_keys(run_file: str) -> set[str]:
-    """The metric names in the history records of an offline wandb run file (a LevelDB-style log of protobuf
-    records: a 7-byte header, then 32 KiB blocks of chunks with a 7-byte header each)."""
+def wandb_records(run_file: str) -> list:
+    """The records of an offline wandb run file (a LevelDB-style log of protobuf records: a 7-byte header, then
+    32 KiB blocks of chunks with a 7-byte header each)."""
     from wandb.proto import wandb_internal_pb2
 
     data = open(run_file, "rb").read()
     assert data[:4] == b":W&B"
-    block, position, records, pending = 32768, 7, [], b""
+    block, position, chunks, pending = 32768, 7, [], b""
     while position + 7 <= len(data):
         if block - position % block < 7:  # a block's tail too short for a chunk header is padding
             position += block - position % block
@@ -168,16 +169,32 @@ def wandb_history_keys(run_file: str) -> set[str]:
         chunk = data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind == 1:
-            records.append(chunk)
+            chunks.append(chunk)
         elif kind in (2, 3):
             pending += chunk
         elif kind == 4:
-            records.append(pending + chunk)
+            chunks.append(pending + chunk)
             pending = b""
-    keys = set()
-    for raw in records:
+    records = []
+    for raw in chunks:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)
+        records.append(record)
+    return records
+
+
+def wandb_history_keys(run_file: str, deadline_s: float = 60.0) -> set[str]:
+    """The metric names in the history records of a finished offline wandb run. `wandb.finish()` can return
+    before wandb's service has written the file out (seen on a loaded machine), so this waits for the run's
+    closing `exit` record before reading."""
+    deadline = time.monotonic() + deadline_s
+    records = wandb_records(run_file)
+    while not any(record.WhichOneof("record_type") == "exit" for record in records):
+        assert time.monotonic() < deadline, f"{run_file} holds no `exit` record after {deadline_s:.0f} s"
+        time.sleep(0.2)
+        records = wandb_records(run_file)
+    keys = set()
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             keys.update("/".join(item.nested_key) if item.nested_key else item.key for item in record.history.item)
     return keys
