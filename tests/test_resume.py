@@ -15,14 +15,22 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from trl_ppo import PPOTrainer
-from trl_ppo.checkpoint import PPO_STATE_NAME, STAGING_PREFIX
+from trl_ppo.checkpoint import PPO_STATE_NAME, STAGING_PREFIX, CheckpointSaveError
 
 ROOT = Path(__file__).resolve().parent.parent
 TIME_KEYS = ("eps",)  # wall-clock dependent, the only logged values allowed to differ
 
 
 def make(
-    make_config, tokenizer, load_models, prompt_dataset, callbacks=None, arch="llama", shared_head=False, **overrides
+    make_config,
+    tokenizer,
+    load_models,
+    prompt_dataset,
+    callbacks=None,
+    arch="llama",
+    shared_head=False,
+    rewards=None,
+    **overrides,
 ):
     policy, value_model, _ = load_models(arch)
     values = dict(
@@ -45,7 +53,7 @@ def make(
         processing_class=tokenizer,
         model=policy,
         ref_model=None,
-        reward_model=[reward, length] if shared_head else reward,
+        reward_model=rewards if rewards is not None else ([reward, length] if shared_head else reward),
         train_dataset=prompt_dataset,
         value_model=None if shared_head else value_model,
         callbacks=callbacks,
@@ -163,7 +171,7 @@ def test_resume_lists_every_changed_setting_and_the_value_it_uses(
     first.args.num_total_batches = 2  # stopped after update 2, checkpoint-2 written
     first.train()
     changed = dict(learning_rate=5e-4, kl_coef=0.1, cliprange=0.1, logging_steps=1)
-    resumed = make(make_config, tokenizer, load_models, prompt_dataset, **changed)
+    resumed = make(make_config, tokenizer, load_models, prompt_dataset, rewards=[length], **changed)
     resumed.args.num_total_batches = 3
     with caplog.at_level(logging.WARNING):
         resumed.train(resume_from_checkpoint=True)
@@ -174,6 +182,7 @@ def test_resume_lists_every_changed_setting_and_the_value_it_uses(
     assert "`kl_coef`: 0.05 in the checkpoint, 0.1 now -> uses 0.05, restored with the run state" in caplog.text
     assert "`cliprange`: 0.2 in the checkpoint, 0.1 now -> uses 0.1" in caplog.text
     assert "`logging_steps`: 3 in the checkpoint, 1 now -> uses 1" in caplog.text
+    assert "`rewards`: ['reward'] in the checkpoint, ['length'] now -> uses ['length']" in caplog.text
     assert resumed.optimizer.param_groups[0]["initial_lr"] == 1e-3 and resumed.run.kl_coef == 0.05
     for schedule in (dict(lr_scheduler_type="constant"), dict(warmup_steps=2)):
         another = make(make_config, tokenizer, load_models, prompt_dataset, **schedule)
@@ -204,11 +213,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint_usable(
         return real_save(self, output_dir)
 
     monkeypatch.setattr(PPOTrainer, "_save_optimizer_and_scheduler", failing_save)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointSaveError, match=r"Saving checkpoint-2 failed \(process 0: OSError: disk full"):
         trainer.train()
     out = Path(trainer.args.output_dir)
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
-    assert (out / f"{STAGING_PREFIX}2").exists()  # the half-written one never got a checkpoint name
+    assert not (out / f"{STAGING_PREFIX}2").exists()  # the half-written one is removed, never named a checkpoint
     monkeypatch.setattr(PPOTrainer, "_save_optimizer_and_scheduler", real_save)
 
     resumed = make(
@@ -216,7 +225,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_usable(
     )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
-    # save_total_limit=1 keeps only the newest complete checkpoint; the staging left-over is gone.
+    # save_total_limit=1 keeps only the newest complete checkpoint.
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3"]
 
 

@@ -29,11 +29,22 @@ class OnPolicyTrainer(Trainer):
     """`transformers.Trainer` for on-policy RL: the subclass writes the updates, this class keeps their books."""
 
     def __init__(
-        self, args, tokenizer, wrapper, train_dataset, eval_dataset, collator, callbacks, optimizers, fingerprints
+        self,
+        args,
+        tokenizer,
+        wrapper,
+        train_dataset,
+        eval_dataset,
+        collator,
+        callbacks,
+        optimizers,
+        fingerprints,
+        reward_names=(),
     ):
         """`Trainer.__init__` with `wrapper` (the trained models as one module) as its model; then the batch sizes,
         which need the number of processes it found, a fresh `PPOTrainerState` and `RunState`, and the run's
-        identity for resuming (the batch layout and the initial models' `fingerprints`)."""
+        identity for resuming (the batch layout, the initial models' `fingerprints`, the settings and the names of
+        the rewards)."""
         use_cache = getattr(wrapper.config, "use_cache", None)
         # The `world_size` field shadows `TrainingArguments.world_size`, which DeepSpeed's set-up in `Trainer` reads.
         args.world_size = TrainingArguments.world_size.fget(args)
@@ -56,7 +67,7 @@ class OnPolicyTrainer(Trainer):
         data.check_one_batch(train_dataset, args.batch_size)
         self.state = self._new_trainer_state()
         self._new_run_state()
-        self._run_identity = ckpt.run_identity(args, fingerprints)
+        self._run_identity = ckpt.run_identity(args, fingerprints, reward_names)
         self._training_active = False
 
     def _build_accelerator_args(self, **kwargs) -> dict:
@@ -165,7 +176,7 @@ class OnPolicyTrainer(Trainer):
         `output_dir`): the next `step()` is then the update after it. -> the number of updates it had done."""
         if checkpoint in (None, False):
             raise ValueError("`load_checkpoint` needs a checkpoint folder, or True for the newest in `output_dir`.")
-        self._begin_training(ckpt.checkpoint_to_resume(self.args.output_dir, checkpoint))
+        self._begin_training(ckpt.start_checkpoint(self.args.output_dir, checkpoint, self.accelerator))
         return self.state.global_step
 
     def _write_checkpoint(self, resume_point: ckpt.ResumePoint | None = None) -> str:

@@ -107,7 +107,17 @@ class PPOTrainer(OnPolicyTrainer):
         collator = data.LeftPaddingCollator(tokenizer.pad_token_id) if data_collator is None else data_collator
         wrapper = PolicyAndValueWrapper(model, value_model)
         datasets = (train_dataset, eval_dataset)
-        super().__init__(args, tokenizer, wrapper, *datasets, collator, callbacks, optimizers, fingerprints)
+        super().__init__(
+            args,
+            tokenizer,
+            wrapper,
+            *datasets,
+            collator,
+            callbacks,
+            optimizers,
+            fingerprints,
+            [r.name for r in rewards],
+        )
         self._prepare_distributed(ref_model)
 
     def _prepare_distributed(self, ref_model: nn.Module | None) -> None:
@@ -152,7 +162,7 @@ class PPOTrainer(OnPolicyTrainer):
         if self.train_dataset is None:
             raise ValueError("`train()` samples from `train_dataset`, and none was given (use `step()` without one).")
         self._scoring()  # without a reward, fail before any compute
-        self._begin_training(ckpt.checkpoint_to_resume(args.output_dir, resume_from_checkpoint))
+        self._begin_training(ckpt.start_checkpoint(args.output_dir, resume_from_checkpoint, self.accelerator))
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
         batches = data.batches_forever(self.train_dataloader, self._sampler, self.run)

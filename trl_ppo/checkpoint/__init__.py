@@ -6,14 +6,17 @@ A checkpoint folder `checkpoint-<update>` holds:
 * `optimizer.pt`, `scheduler.pt` (and a scaler), from `transformers.Trainer`;
 * `rng_state_<process>.pth`: every RNG of each process (`rng.py`);
 * `trainer_state.json`: `PPOTrainerState` (update, episode, log history, stateful callbacks);
-* `trl_ppo_state.json`, written last: the `RunState` and the run's identity (`identity.py`).
-It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`).
+* `trl_ppo_state.json`: the `RunState` and the run's identity (`identity.py`);
+* `manifest.json`, written last: every other file's size and SHA-256 (`manifest.py`), verified before a resume
+  loads anything.
+It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`). A save that
+fails removes its partial folder and raises `CheckpointSaveError`; the earlier checkpoints are untouched.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,11 +30,14 @@ from .folders import (
     complete_checkpoints,
     latest_checkpoint,
     publish_checkpoint,
+    read_json,
+    remove_unfinished_saves,
     rotate_checkpoints,
     staging_folder,
     write_json,
 )
 from .identity import check_resumable, model_fingerprint, run_identity
+from .manifest import MANIFEST_NAME, manifest_of
 from .preemption import PreemptionHandler, stop_requested
 from .rng import capture_rng_state, load_rng_state, rng_file
 from .weights import has_deepspeed_state, load_trained_weights
@@ -50,6 +56,10 @@ class ResumePoint:
         return cls(capture_rng_state(), run_state.state_dict())
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (e.g. the disk is full); the earlier checkpoints are kept."""
+
+
 def save_checkpoint(
     output_dir: str,
     step: int,
@@ -64,34 +74,94 @@ def save_checkpoint(
 
     `write_weights(folder)` writes the models and optimizer state (on every process: under DeepSpeed it is a
     collective); `write_trainer_state(path)` the trainer state, on the main process. The `ResumePoint` may be
-    older than now: that is how a dropped rollout is undone (the weights have not changed since it was taken)."""
+    older than now: that is how a dropped rollout is undone (the weights have not changed since it was taken).
+    If any process fails to write its part, every process raises `CheckpointSaveError` saying why, the partial
+    folder is removed and no older checkpoint is rotated away."""
     staging = os.path.join(output_dir, f"{STAGING_PREFIX}{step}")
     if accelerator.is_main_process:
         staging_folder(output_dir, step)  # clears what an interrupted save left behind
     accelerator.wait_for_everyone()
-    write_weights(staging)
-    os.makedirs(staging, exist_ok=True)
-    torch.save(resume_point.rng, rng_file(staging, accelerator.process_index))
-    accelerator.wait_for_everyone()
-    final = os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
-    if accelerator.is_main_process:
+
+    def write_process_part() -> None:
+        write_weights(staging)
+        os.makedirs(staging, exist_ok=True)
+        torch.save(resume_point.rng, rng_file(staging, accelerator.process_index))
+
+    def write_main_part() -> str:
         write_trainer_state(os.path.join(staging, "trainer_state.json"))
-        write_json(os.path.join(staging, PPO_STATE_NAME), {**resume_point.run_state, "identity": identity})  # last
+        run_state = {**resume_point.run_state, "identity": identity, "manifest": MANIFEST_NAME}
+        write_json(os.path.join(staging, PPO_STATE_NAME), run_state)
+        write_json(os.path.join(staging, MANIFEST_NAME), manifest_of(staging))  # last: then it is whole
         final = publish_checkpoint(staging, output_dir, step)
         rotate_checkpoints(output_dir, save_total_limit, keep=final)
-    accelerator.wait_for_everyone()
-    return final
+        return final
+
+    _on_all_or_fail(accelerator, write_process_part, staging, output_dir, step)
+    final = _on_all_or_fail(accelerator, write_main_part, staging, output_dir, step, main_only=True)
+    return final or os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
+
+
+def _on_all_or_fail(accelerator, write: Callable, staging: str, output_dir: str, step: int, main_only=False):
+    """Run `write` (on the main process only with `main_only`), then share every process's failure (a collective
+    in place of a barrier, so no process waits forever on one that failed) -> `write`'s result."""
+    result, failure, cause = None, None, None
+    if accelerator.is_main_process or not main_only:
+        try:
+            result = write()
+        except Exception as error:  # disk full, quota, permissions, a serializer's own error
+            failure, cause = f"process {accelerator.process_index}: {type(error).__name__}: {error}", error
+    failures = [f for f in _gather(accelerator, failure) if f is not None]
+    if failures:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # frees the space a full disk needs
+        kept = latest_checkpoint(output_dir)
+        raise CheckpointSaveError(
+            f"Saving checkpoint-{step} failed ({'; '.join(failures)}). Its partial folder was removed; the earlier "
+            f"checkpoints are kept (newest: {kept or 'none'}). Free space (or fix the cause), then resume with "
+            "`resume_from_checkpoint=True`."
+        ) from cause
+    return result
+
+
+def _gather(accelerator, item) -> list:
+    if accelerator.num_processes == 1:
+        return [item]
+    from accelerate.utils import gather_object
+
+    return gather_object([item])
+
+
+def start_checkpoint(output_dir: str, resume_from_checkpoint: str | bool | None, accelerator) -> str | None:
+    """At the start of a run: remove what interrupted saves left behind and choose the checkpoint to resume from
+    (`checkpoint_to_resume`), on the main process only (verifying reads every file once); every process gets
+    the same choice, or raises the same refusal."""
+    outcome = [None, None]  # (checkpoint, refusal)
+    if accelerator.is_main_process:
+        try:
+            remove_unfinished_saves(output_dir)
+            outcome = [checkpoint_to_resume(output_dir, resume_from_checkpoint), None]
+        except ValueError as error:
+            outcome = [None, str(error)]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(outcome)
+    if outcome[1] is not None:
+        raise ValueError(outcome[1])
+    return outcome[0]
 
 
 def read_run_state(path: str, identity: dict, deepspeed: bool) -> dict:
     """The saved `RunState` of checkpoint `path` (as `state_dict()`), after checking that this run (`identity`,
     launched with or without DeepSpeed) can resume it."""
-    with open(os.path.join(path, PPO_STATE_NAME), encoding="utf-8") as handle:
-        saved = json.load(handle)
+    saved = read_json(os.path.join(path, PPO_STATE_NAME))
+    saved.pop("manifest", None)
     check_resumable(saved.pop("identity"), identity, path)
     written_with_deepspeed = has_deepspeed_state(path)
     if not (written_with_deepspeed or os.path.isfile(os.path.join(path, "optimizer.pt"))):
         raise ValueError(f"{path} has no optimizer state (written with `save_only_model=True`): it cannot be resumed.")
+    if not written_with_deepspeed and not os.path.isfile(os.path.join(path, "scheduler.pt")):
+        raise ValueError(f"{path} has no scheduler.pt: resuming would restart the learning-rate schedule.")
     if deepspeed != written_with_deepspeed:
         raise ValueError(
             f"{path} was written {'with' if written_with_deepspeed else 'without'} DeepSpeed, and this run is "
@@ -102,6 +172,7 @@ def read_run_state(path: str, identity: dict, deepspeed: bool) -> dict:
 
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "CheckpointSaveError",
     "PPO_STATE_NAME",
     "STAGING_PREFIX",
     "PreemptionHandler",
@@ -113,7 +184,9 @@ __all__ = [
     "load_trained_weights",
     "model_fingerprint",
     "read_run_state",
+    "remove_unfinished_saves",
     "run_identity",
     "save_checkpoint",
+    "start_checkpoint",
     "stop_requested",
 ]

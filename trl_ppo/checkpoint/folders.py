@@ -1,6 +1,6 @@
 """Checkpoint folders on disk: their names, atomic publication (written under `tmp-checkpoint-<update>`, renamed
-to `checkpoint-<update>` only when complete, so a folder named `checkpoint-*` is always whole), rotation, and
-which one a run resumes from."""
+to `checkpoint-<update>` only when complete), rotation, the removal of what an interrupted save left behind, and
+which checkpoint a run resumes from: the newest one whose files match its manifest (`manifest.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,12 @@ import json
 import os
 import re
 import shutil
+
+from transformers.utils import logging
+
+from .manifest import MANIFEST_NAME, checkpoint_problem
+
+logger = logging.get_logger(__name__)
 
 PPO_STATE_NAME = "trl_ppo_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -29,21 +35,68 @@ def checkpoint_step(path: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def complete_checkpoints(output_dir: str) -> list[str]:
-    """The complete checkpoints in `output_dir`, oldest update first."""
+def read_json(path: str) -> dict:
+    """A checkpoint's JSON file; a missing or damaged one raises `ValueError` naming it."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
+
+
+def checkpoint_folders(output_dir: str) -> list[str]:
+    """Every `checkpoint-<update>` folder in `output_dir`, whole or not, oldest update first."""
     if not os.path.isdir(output_dir):
         return []
-    found = []
-    for name in os.listdir(output_dir):
-        path = os.path.join(output_dir, name)
-        if checkpoint_step(name) is not None and os.path.isfile(os.path.join(path, PPO_STATE_NAME)):
-            found.append(path)
-    return sorted(found, key=checkpoint_step)
+    found = [os.path.join(output_dir, name) for name in os.listdir(output_dir) if checkpoint_step(name) is not None]
+    return sorted((path for path in found if os.path.isdir(path)), key=checkpoint_step)
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """The checkpoints in `output_dir` whose save finished (a manifest, or the run state of a checkpoint written
+    before manifests), oldest update first. Their files are not verified here: see `verified_problem`."""
+    markers = (MANIFEST_NAME, PPO_STATE_NAME)
+    return [
+        path for path in checkpoint_folders(output_dir) if any(os.path.isfile(os.path.join(path, m)) for m in markers)
+    ]
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
     checkpoints = complete_checkpoints(output_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+def written_before_manifests(path: str) -> bool:
+    """A checkpoint of an older trl_ppo: no manifest, and a run state that does not say one was written."""
+    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        return False
+    try:
+        return "manifest" not in read_json(os.path.join(path, PPO_STATE_NAME))
+    except ValueError:
+        return False
+
+
+def verified_problem(path: str) -> str | None:
+    """What makes checkpoint `path` unusable (`manifest.checkpoint_problem`), or None if it verifies. One
+    written before manifests cannot be verified: it is used, with a warning."""
+    if written_before_manifests(path):
+        logger.warning(f"{path} was written by a trl_ppo without checkpoint manifests: its files are not verified.")
+        return None
+    return checkpoint_problem(path)
+
+
+def remove_unfinished_saves(output_dir: str) -> list[str]:
+    """Delete what interrupted saves left in `output_dir` (`tmp-checkpoint-*`, `checkpoint-*.replaced`), with a
+    warning that names them -> their paths."""
+    if not os.path.isdir(output_dir):
+        return []
+    names = sorted(n for n in os.listdir(output_dir) if n.startswith(STAGING_PREFIX) or n.endswith(".replaced"))
+    removed = [os.path.join(output_dir, name) for name in names if os.path.isdir(os.path.join(output_dir, name))]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    if removed:
+        logger.warning(f"Removed {len(removed)} unfinished checkpoint folder(s) of an interrupted save: {removed}")
+    return removed
 
 
 def staging_folder(output_dir: str, step: int) -> str:
@@ -78,25 +131,43 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str)
 
 def checkpoint_to_resume(output_dir: str, resume_from_checkpoint: str | bool | None) -> str | None:
     """The checkpoint folder to resume from (None for a fresh run), refusing to overwrite an earlier run:
-    `resume_from_checkpoint` is a folder, True / "true" / "latest" for the newest complete one in `output_dir`,
-    or None / False for a fresh run (then `output_dir` must hold no checkpoint)."""
+    `resume_from_checkpoint` is a folder (refused, naming the file, unless it verifies), True / "true" /
+    "latest" for the newest one in `output_dir` that verifies (the ones skipped are named, with the reason), or
+    None / False for a fresh run (then `output_dir` must hold no checkpoint folder)."""
     if resume_from_checkpoint in (None, False):
-        existing = latest_checkpoint(output_dir)
-        if existing is not None:
+        existing = checkpoint_folders(output_dir)
+        if existing:
             raise ValueError(
-                f"`output_dir` ({output_dir}) already holds checkpoints of a run (latest: {existing}). Resume it "
+                f"`output_dir` ({output_dir}) already holds checkpoints of a run (latest: {existing[-1]}). Resume it "
                 "with `train(resume_from_checkpoint=True)` (`--resume_from_checkpoint latest`), or start a new "
                 "run in another `output_dir`."
             )
         return None
     if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "latest"):
-        path = latest_checkpoint(output_dir)
-        if path is None:
-            raise ValueError(f"`resume_from_checkpoint=True`: no complete checkpoint in `output_dir` ({output_dir}).")
-        return path
+        return newest_verified_checkpoint(output_dir)
     path = str(resume_from_checkpoint)
-    if not os.path.isfile(os.path.join(path, PPO_STATE_NAME)):
+    if not os.path.isdir(path):
+        raise ValueError(f"`resume_from_checkpoint` ({path}) is not a folder.")
+    problem = verified_problem(path)
+    if problem is not None:
         raise ValueError(
-            f"`resume_from_checkpoint` ({path}) is not a complete trl_ppo checkpoint (no {PPO_STATE_NAME})."
+            f"`resume_from_checkpoint` ({path}) is not a whole trl_ppo checkpoint: {problem}. Nothing was loaded; "
+            "`resume_from_checkpoint=True` takes the newest checkpoint in `output_dir` that verifies."
         )
     return path
+
+
+def newest_verified_checkpoint(output_dir: str) -> str:
+    """The newest checkpoint folder in `output_dir` whose files match its manifest; each newer one skipped is
+    named in a warning with its problem."""
+    skipped = []
+    for path in reversed(checkpoint_folders(output_dir)):
+        problem = verified_problem(path)
+        if problem is None:
+            if skipped:
+                logger.warning(f"Resuming from {path}; skipped newer checkpoint(s) that do not verify: {skipped}")
+            return path
+        skipped.append(f"{os.path.basename(path)}: {problem}")
+    if skipped:
+        raise ValueError(f"`resume_from_checkpoint=True`: no checkpoint in {output_dir} verifies: {skipped}")
+    raise ValueError(f"`resume_from_checkpoint=True`: no complete checkpoint in `output_dir` ({output_dir}).")

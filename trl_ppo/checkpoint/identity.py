@@ -99,11 +99,13 @@ def model_fingerprint(model: torch.nn.Module | None) -> dict | None:
     return {"class": type(model).__name__, "num_parameters": total, "checksum": round(checksum, 6)}
 
 
-def run_identity(args, fingerprints: dict) -> dict:
+def run_identity(args, fingerprints: dict, reward_names=()) -> dict:
     """What a checkpoint records about its run: the settings of `MUST_MATCH` and the initial models'
     `fingerprints` (`{"<role>_fingerprint": model_fingerprint(model)}`), which must match to resume, and the
-    `config` (`config_snapshot`), whose changes are listed."""
-    return {**{name: getattr(args, name) for name in MUST_MATCH}, **fingerprints, "config": config_snapshot(args)}
+    `config` (`config_snapshot`, with the rewards' names: a function's code cannot be compared, its name can),
+    whose changes are listed."""
+    config = {**config_snapshot(args), "rewards": list(reward_names)}
+    return {**{name: getattr(args, name) for name in MUST_MATCH}, **fingerprints, "config": config}
 
 
 def check_resumable(saved: dict, current: dict, checkpoint: str) -> None:

@@ -34,5 +34,8 @@ def load_rng_state(folder: str, process_index: int) -> None:
     path = rng_file(folder, process_index)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a run with fewer processes.")
-    # The file holds numpy/python RNG tuples, which the safe loader does not know.
-    restore_rng_state(torch.load(path, weights_only=False))
+    try:  # the file holds numpy/python RNG tuples, which the safe loader does not know
+        state = torch.load(path, weights_only=False)
+    except Exception as error:
+        raise ValueError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
+    restore_rng_state(state)

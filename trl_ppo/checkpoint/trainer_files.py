@@ -11,7 +11,7 @@ from transformers.trainer_callback import ExportableState
 
 from ..models import PreparedModels
 from ..run_state import PPOTrainerState, RunState
-from . import ResumePoint, load_rng_state, load_trained_weights, read_run_state, save_checkpoint
+from . import ResumePoint, load_rng_state, load_trained_weights, read_json, read_run_state, save_checkpoint
 
 
 def exportable_callbacks(trainer: Trainer) -> list:
@@ -70,7 +70,9 @@ def read_trainer_checkpoint(trainer: Trainer, path: str) -> PPOTrainerState:
     `restore_callback_states_from_checkpoint` says; the control flags start fresh (a checkpoint written at the
     last update must not stop a resumed run that was given more episodes)."""
     trainer._load_optimizer_and_scheduler(path)
-    state = PPOTrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+    state_file = os.path.join(path, "trainer_state.json")
+    read_json(state_file)  # a damaged file is named
+    state = PPOTrainerState.load_from_json(state_file)
     trainer.state, requested = state, trainer.args.restore_callback_states_from_checkpoint
     trainer.args.restore_callback_states_from_checkpoint = True
     try:

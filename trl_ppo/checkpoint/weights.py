@@ -33,6 +33,7 @@ def load_weights_into(model: torch.nn.Module, folder: str) -> None:
 
     A full model is read back through its class's `from_pretrained`, which knows how the saved names map onto
     the in-memory ones (they differ for some architectures); this holds a second copy in CPU memory for a moment.
+    It is built from `model`'s own config, never from a default one: the saved weights must fit the live model.
     """
     from safetensors.torch import load_file
 
@@ -48,6 +49,6 @@ def load_weights_into(model: torch.nn.Module, folder: str) -> None:
         set_peft_model_state_dict(model, load_file(adapter))
         return
     dtype = next(model.parameters()).dtype
-    saved = type(model).from_pretrained(folder, dtype=dtype)
+    saved = type(model).from_pretrained(folder, config=model.config, dtype=dtype)
     model.load_state_dict(saved.state_dict(), strict=True)
     del saved
