@@ -66,6 +66,25 @@ def test_default_job_trains_and_saves(tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run") is not None
 
 
+@pytest.mark.slow
+def test_the_whole_default_job_is_a_healthy_run_by_the_readmes_table(tmp_path):
+    """`make demo` as shipped (100 updates, about 15 s): each metric moves the way the README's "what healthy
+    values look like" table says, and the completions learn to end (issue 18, item 6)."""
+    main(["--output_dir", str(tmp_path / "run"), "--num_sample_generations", "0"])
+    logged = [e for e in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]]
+    logged = [e for e in logged if "objective/scores" in e]
+    first, last = logged[0], logged[-1]
+    assert len(logged) == 10
+    assert first["objective/scores"] < 0 and last["objective/scores"] > 0.8  # of at most 1
+    assert first["objective/kl"] < 1 and last["objective/kl"] < 10  # grows, then settles
+    assert abs(last["objective/kl"] - logged[-3]["objective/kl"]) < 1
+    assert last["loss/value_avg"] < first["loss/value_avg"] / 5  # falls, then stays low
+    assert first["val/missing_stop_token_frac"] > 0.5 and last["val/missing_stop_token_frac"] < 0.05
+    assert max(e["policy/approxkl_avg"] for e in logged) < 0.05
+    assert max(e["policy/clipfrac_avg"] for e in logged) < 0.2
+    assert all(0.9 < e["val/ratio"] < 1.1 for e in logged)
+
+
 def local_model_flags(model_paths, arch, prompts_file, output_dir):
     policy_path, value_path = model_paths[arch]
     return as_flags(

@@ -269,7 +269,7 @@ def train_and_save(
 
 
 def run_default_job(argv: list[str]) -> None:
-    """Train the tiny embedded policy with the positive-words reward (on the shipped prompts by default)."""
+    """Train the tiny embedded policy with the sentiment reward (on the shipped prompts by default)."""
     from . import default_job
 
     script_args, training_args, model_args, _ = build_parser().parse_args_into_dataclasses(
@@ -283,7 +283,7 @@ def run_default_job(argv: list[str]) -> None:
         tokenizer,
         policy,
         None,
-        default_job.positive_words_reward,
+        default_job.sentiment_reward,
         value_model,
         prompt_datasets(script_args),
         script_args.dataset_name,

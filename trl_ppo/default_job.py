@@ -3,8 +3,12 @@
 * prompts: `default_data/prompts.jsonl` ("the movie was", "my day felt", ...), shipped in the package;
 * tokenizer: a word-level tokenizer built with `tokenizers` over a small vocabulary;
 * policy / value model: tiny random-init GPT-NeoX models built from a config;
-* reward: `positive_words_reward`, +1 per positive word and -1 per negative word of a completion, so the
-  completions table shows the policy learning to praise things.
+* reward: `sentiment_reward`, the share of a completion's words that are positive minus the share that are
+  negative (in [-1, 1]), with `missing_eos_penalty` for a completion that does not end: the completions table
+  shows the policy learning to answer with a word of praise and stop. A bounded reward that does not grow with
+  length keeps the run healthy by the README's table (an unbounded count of positive words made the policy
+  fill every response, never stop, and drift to a KL of about 14 nats while the value loss rose);
+* `positive_words_reward` (+1 per positive word, -1 per negative word) is kept for tests and examples.
 """
 
 from __future__ import annotations
@@ -84,6 +88,16 @@ def build_tiny_models(tokenizer, hidden_size: int = 64, num_layers: int = 2, see
     return policy, value_model
 
 
+def sentiment_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """(positive words - negative words) / words of each completion, in [-1, 1]; 0 for an empty completion."""
+    positive, negative = set(POSITIVE_WORDS), set(NEGATIVE_WORDS)
+    scores = []
+    for text in completions:
+        words = text.split()
+        scores.append(sum((w in positive) - (w in negative) for w in words) / len(words) if words else 0.0)
+    return scores
+
+
 def positive_words_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """+1 for each positive word, -1 for each negative word in each completion."""
     positive, negative = set(POSITIVE_WORDS), set(NEGATIVE_WORDS)
@@ -100,7 +114,7 @@ def default_prompts() -> Dataset:
 # user gives wins.
 DEFAULT_JOB_SETTINGS = {
     "output_dir": "trl_ppo_default_run",
-    "learning_rate": 3e-4,
+    "learning_rate": 1e-3,
     "per_device_train_batch_size": 16,
     "gradient_accumulation_steps": 2,
     "num_ppo_epochs": 4,
@@ -108,8 +122,9 @@ DEFAULT_JOB_SETTINGS = {
     "total_episodes": 3200,
     "response_length": 12,
     "temperature": 1.0,
-    "kl_coef": 0.02,
+    "kl_coef": 0.1,
     "stop_token": "eos",
+    "missing_eos_penalty": 1.0,
     "num_sample_generations": 4,
     "per_device_eval_batch_size": 8,
     "logging_steps": 10,

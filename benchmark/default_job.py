@@ -1,0 +1,71 @@
+"""Is the embedded default job (`make demo`) a healthy PPO run? Runs it for several seeds and prints, per seed,
+the wall time and the metrics the README's "what healthy values look like" table reads, first logged value ->
+last (and the largest `policy/approxkl_avg` / `policy/clipfrac_avg` seen).
+
+    python benchmark/default_job.py --seeds 1 2 3 [--jsonl out.jsonl] [-- extra trl-ppo flags]
+
+Each run is `python -m trl_ppo --output_dir <tmp> --seed <s> <extra flags>` in its own process, one after
+another; the metrics come from the run's `trainer_state.json`.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SERIES = {
+    "score": "objective/scores",
+    "kl": "objective/kl",
+    "value_loss": "loss/value_avg",
+    "missing_stop": "val/missing_stop_token_frac",
+    "entropy": "objective/entropy",
+}
+PEAKS = {"approxkl_max": "policy/approxkl_avg", "clipfrac_max": "policy/clipfrac_avg"}
+
+
+def run_once(seed: int, extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        output_dir = os.path.join(scratch, "run")
+        command = [sys.executable, "-m", "trl_ppo", "--output_dir", output_dir, "--seed", str(seed), *extra]
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"seed {seed} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+        with open(os.path.join(output_dir, "trainer_state.json"), encoding="utf-8") as handle:
+            logged = [e for e in json.load(handle)["log_history"] if "objective/scores" in e]
+    row = {"seed": seed, "seconds": round(seconds, 1), "logs": len(logged)}
+    for name, key in SERIES.items():
+        row[name] = [round(logged[0][key], 3), round(logged[-1][key], 3)]
+    row["value_loss_peak"] = round(max(e["loss/value_avg"] for e in logged), 3)
+    for name, key in PEAKS.items():
+        row[name] = round(max(e[key] for e in logged), 4)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--jsonl", help="append one JSON line per run to this file")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="trl-ppo flags after `--`")
+    args = parser.parse_args()
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    print("seed  seconds  " + "  ".join(f"{name:>17}" for name in SERIES) + "  vloss_peak  approxkl_max  clipfrac_max")
+    for seed in args.seeds:
+        row = run_once(seed, extra)
+        series = "  ".join(f"{row[n][0]:>7.3f} -> {row[n][1]:<7.3f}" for n in SERIES)
+        print(
+            f"{seed:>4}  {row['seconds']:>7}  {series}  {row['value_loss_peak']:>10}  {row['approxkl_max']:>12}  "
+            f"{row['clipfrac_max']:>12}",
+            flush=True,
+        )
+        if args.jsonl:
+            with open(args.jsonl, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({**row, "extra": extra}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
