@@ -29,11 +29,12 @@ def weights_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-if __name__ == "__main__":
-    output_dir, resume = sys.argv[1], len(sys.argv) > 2
+def tiny_trainer(output_dir: str, callbacks: list, hidden_size: int = 64, **overrides) -> PPOTrainer:
+    """The default job's tokenizer, prompts and positive-words reward on tiny models, with this run's settings
+    (`overrides` win); also used by the other subprocess scripts."""
     tokenizer = build_word_tokenizer()
-    policy, value_model = build_tiny_models(tokenizer, hidden_size=64)
-    config = PPOConfig(
+    policy, value_model = build_tiny_models(tokenizer, hidden_size=hidden_size)
+    settings = dict(
         output_dir=output_dir,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,
@@ -50,16 +51,21 @@ if __name__ == "__main__":
         stop_token="eos",
         disable_tqdm=True,
     )
-    trainer = PPOTrainer(
-        args=config,
+    return PPOTrainer(
+        args=PPOConfig(**{**settings, **overrides}),
         processing_class=tokenizer,
         model=policy,
         ref_model=None,
         reward_model=positive_words_reward,
         value_model=value_model,
         train_dataset=default_prompts(),
-        callbacks=[Announce()],
+        callbacks=callbacks,
     )
+
+
+if __name__ == "__main__":
+    output_dir, resume = sys.argv[1], len(sys.argv) > 2
+    trainer = tiny_trainer(output_dir, [Announce()])
     trainer.train(resume_from_checkpoint=True if resume else None)
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
     print("POLICY", weights_digest(wrapper.policy), flush=True)

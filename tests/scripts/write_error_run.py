@@ -9,10 +9,8 @@ import resource
 import signal
 import sys
 
+from preemptible_run import tiny_trainer
 from transformers import TrainerCallback
-
-from trl_ppo import PPOConfig, PPOTrainer
-from trl_ppo.default_job import build_tiny_models, build_word_tokenizer, default_prompts, positive_words_reward
 
 
 class LimitFileSizeBeforeSecondSave(TrainerCallback):
@@ -24,32 +22,8 @@ class LimitFileSizeBeforeSecondSave(TrainerCallback):
 
 if __name__ == "__main__":
     output_dir, resume = sys.argv[1], len(sys.argv) > 2
-    tokenizer = build_word_tokenizer()
-    policy, value_model = build_tiny_models(tokenizer, hidden_size=32)
-    config = PPOConfig(
-        output_dir=output_dir,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        total_episodes=3 * 8,
-        response_length=8,
-        num_ppo_epochs=1,
-        num_sample_generations=0,
-        save_strategy="steps",
-        save_steps=1,
-        report_to="none",
-        seed=5,
-        stop_token="eos",
-        disable_tqdm=True,
-    )
-    trainer = PPOTrainer(
-        args=config,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=None,
-        reward_model=positive_words_reward,
-        value_model=value_model,
-        train_dataset=default_prompts(),
-        callbacks=[] if resume else [LimitFileSizeBeforeSecondSave()],
-    )
+    callbacks = [] if resume else [LimitFileSizeBeforeSecondSave()]
+    settings = dict(per_device_train_batch_size=4, total_episodes=3 * 8, response_length=8, num_ppo_epochs=1)
+    trainer = tiny_trainer(output_dir, callbacks, hidden_size=32, save_steps=1, seed=5, **settings)
     trainer.train(resume_from_checkpoint=True if resume else None)
     print("DONE", trainer.state.global_step, flush=True)
