@@ -107,17 +107,8 @@ class PPOTrainer(OnPolicyTrainer):
         collator = data.LeftPaddingCollator(tokenizer.pad_token_id) if data_collator is None else data_collator
         wrapper = PolicyAndValueWrapper(model, value_model)
         datasets = (train_dataset, eval_dataset)
-        super().__init__(
-            args,
-            tokenizer,
-            wrapper,
-            *datasets,
-            collator,
-            callbacks,
-            optimizers,
-            fingerprints,
-            [r.name for r in rewards],
-        )
+        names = [reward.name for reward in rewards]
+        super().__init__(args, tokenizer, wrapper, *datasets, collator, callbacks, optimizers, fingerprints, names)
         self._prepare_distributed(ref_model)
 
     def _prepare_distributed(self, ref_model: nn.Module | None) -> None:

@@ -1,6 +1,6 @@
 """A checkpoint's manifest: every file's size and SHA-256, written last, so that a checkpoint proves it is whole.
 
-`verify_checkpoint` reads it before anything is loaded: a file deleted, truncated or changed after the save is
+`checkpoint_problem` reads it before anything is loaded: a file deleted, truncated or changed after the save is
 found and named, instead of surfacing as a library error deep inside loading (or, worse, as a silent default:
 a missing `config.json` made transformers build its default config, a missing `scheduler.pt` restarted the
 learning-rate schedule)."""
