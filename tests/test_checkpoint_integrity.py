@@ -178,6 +178,40 @@ def test_loading_weights_never_falls_back_to_a_default_model_config(tmp_path):
     assert int(line.split()[2]) < 2048  # MiB of peak RSS
 
 
+RESUME_DAMAGED = """
+import resource, sys
+sys.path.insert(0, sys.argv[2])
+from preemptible_run import tiny_trainer
+settings = dict(total_episodes=2 * 16, save_steps=1, callbacks=[])
+if sys.argv[3] == "train":
+    tiny_trainer(sys.argv[1], **settings).train()
+else:
+    resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))  # a default 20B config would need far more
+    try:
+        tiny_trainer(sys.argv[1], **settings).train(resume_from_checkpoint=sys.argv[1] + "/checkpoint-2")
+    except ValueError as error:
+        print("REFUSED", error)
+    print("PEAK_MIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+@pytest.mark.slow
+def test_an_explicit_damaged_checkpoint_is_refused_naming_the_file_with_memory_bounded(tmp_path):
+    """The reported failure: config.json deleted from the checkpoint given by path made the resume build
+    transformers' default (20B) config and be killed for memory. Now it is refused, naming the file, in a process
+    whose address space is capped at 6 GiB, at the peak memory of a tiny run."""
+    scripts = str(ROOT / "tests" / "scripts")
+    trained = run_script("-c", RESUME_DAMAGED, tmp_path / "run", scripts, "train")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    (tmp_path / "run" / "checkpoint-2" / "config.json").unlink()
+    resumed = run_script("-c", RESUME_DAMAGED, tmp_path / "run", scripts, "resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    refused = next(line for line in resumed.stdout.splitlines() if line.startswith("REFUSED"))
+    assert str(tmp_path / "run" / "checkpoint-2" / "config.json") + " is missing" in refused
+    peak = next(line for line in resumed.stdout.splitlines() if line.startswith("PEAK_MIB"))
+    assert int(peak.split()[1]) < 2048
+
+
 # ----------------------------------------------------------------------------------- a save that fails
 @pytest.mark.slow
 def test_a_save_that_fails_on_a_write_error_keeps_the_earlier_checkpoints(
