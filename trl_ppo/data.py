@@ -8,6 +8,8 @@ import torch
 from torch.utils.data import DataLoader
 from transformers.utils import logging
 
+from . import prompt_checks
+
 logger = logging.get_logger(__name__)
 
 
@@ -16,11 +18,12 @@ def is_conversational(example: Any) -> bool:
     return isinstance(example, list) and len(example) > 0 and isinstance(example[0], dict) and "role" in example[0]
 
 
-def prepare_prompt_dataset(dataset, tokenizer, num_proc: int | None = None):
+def prepare_prompt_dataset(dataset, tokenizer, num_proc: int | None = None, name: str = "train_dataset"):
     """Give every row `input_ids`: kept when present, else tokenized from `prompt`.
 
     A text `prompt` is tokenized as is; a conversational `prompt` (list of messages) is rendered with the
-    tokenizer's chat template and a generation prompt. The other columns are kept (reward functions get them).
+    tokenizer's chat template and a generation prompt (`render_messages`). The other columns are kept (reward
+    functions get them).
     """
     if dataset is None or "input_ids" in dataset.column_names:
         return dataset
@@ -30,21 +33,36 @@ def prepare_prompt_dataset(dataset, tokenizer, num_proc: int | None = None):
             "Add a text or chat-messages `prompt` column, or pre-tokenize prompts into `input_ids`."
         )
 
-    def tokenize(row):
+    def tokenize(row, index):
         prompt = row["prompt"]
-        if is_conversational(prompt):
-            if tokenizer.chat_template is None:
-                raise ValueError(
-                    "The `prompt` column holds chat messages but the tokenizer has no chat template: set "
-                    "`tokenizer.chat_template` or pass plain-text prompts."
-                )
-            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
-                ids = ids["input_ids"]
-            return {"input_ids": list(ids)}
+        if isinstance(prompt, list):
+            text = render_messages(prompt, tokenizer, name, index)
+            return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"Row {index} of `{name}`: `prompt` is {type(prompt).__name__} {prompt!r}; give text or a list of "
+                "chat messages."
+            )
         return {"input_ids": tokenizer(prompt)["input_ids"]}
 
-    return dataset.map(tokenize, num_proc=num_proc, desc="Tokenizing prompts")
+    return dataset.map(tokenize, with_indices=True, num_proc=num_proc, desc="Tokenizing prompts")
+
+
+def render_messages(messages: list, tokenizer, name: str, index: int) -> str:
+    """Row `index`'s chat messages as text, through the tokenizer's chat template with a generation prompt (what
+    `apply_chat_template(..., tokenize=True)` encodes), checked: roles the template knows, no message dropped."""
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            "The `prompt` column holds chat messages but the tokenizer has no chat template: set "
+            "`tokenizer.chat_template` or pass plain-text prompts."
+        )
+    prompt_checks.check_messages(messages, tokenizer, name, index)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # jinja's TemplateError, or a template's own `raise_exception(...)`
+        raise ValueError(f"Row {index} of `{name}`: the chat template refused its messages: {error}") from error
+    prompt_checks.check_rendered(messages, text, name, index)
+    return text
 
 
 class LeftPaddingCollator:
@@ -140,21 +158,23 @@ def shared_order_loader(dataset, args, collate, num_processes: int, process_inde
 
 
 def prepare_prompts(dataset, tokenizer, args, context_length: int | None, name: str, vocab_size: int | None = None):
-    """A dataset of prompts as the trainer uses it: `input_ids` on every row (`prepare_prompt_dataset`), not empty,
-    with ids below `vocab_size` (default: the tokenizer's length), cut to `max_prompt_length` and checked against
-    the model's context (`fit_prompts`). None stays None."""
-    if isinstance(dataset, (list, tuple, dict)):
-        kind = "dict of columns" if isinstance(dataset, dict) else "list of rows"
-        wrap = "Dataset.from_dict(columns)" if isinstance(dataset, dict) else "Dataset.from_list(rows)"
-        raise TypeError(
-            f"`{name}` is a {kind}; the trainer takes a `datasets.Dataset`: wrap it with `{wrap}` "
-            "(`from datasets import Dataset`), each row a `prompt` (text or chat messages) or `input_ids`."
-        )
-    dataset = prepare_prompt_dataset(dataset, tokenizer, args.dataset_num_proc)
-    if dataset is not None and len(dataset) == 0:
+    """A dataset of prompts as the trainer uses it: `input_ids` on every row (`prepare_prompt_dataset`; padding
+    that an `attention_mask` column marks removed), checked row by row (`prompt_checks`: no empty prompt, no
+    padding left in given `input_ids`, ids below `vocab_size`, default: the tokenizer's length), cut to
+    `max_prompt_length` and checked against the model's context (`fit_prompts`). None stays None."""
+    prompt_checks.check_dataset_type(dataset, name)
+    if dataset is None:
+        return None
+    given_ids = "input_ids" in dataset.column_names
+    if given_ids:
+        prompt_checks.check_input_ids_type(dataset, name)
+        dataset = prompt_checks.strip_masked_padding(dataset, name)
+    dataset = prepare_prompt_dataset(dataset, tokenizer, args.dataset_num_proc, name)
+    if len(dataset) == 0:
         raise ValueError(f"`{name}` is empty: PPO needs prompts to sample from.")
-    if dataset is not None:
-        check_token_ids(dataset["input_ids"], vocab_size or len(tokenizer), f"`{name}`'s `input_ids`")
+    unmasked = given_ids and "attention_mask" not in dataset.column_names
+    prompt_checks.check_rows(dataset, tokenizer, name, check_padding=unmasked)
+    check_token_ids(dataset["input_ids"], vocab_size or len(tokenizer), f"`{name}`'s `input_ids`")
     return fit_prompts(dataset, args.max_prompt_length, args.response_length, context_length, name)
 
 
