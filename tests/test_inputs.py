@@ -1,14 +1,17 @@
-"""Prompt datasets as users write them: each mistake fails when the trainer is built (not during an update),
-naming the dataset argument, the row and the fix; what a user means (padded `input_ids` with their
-`attention_mask`) works."""
+"""Prompt datasets and reward functions as users write them: each mistake fails when the trainer is built (not
+during an update), naming the dataset argument, the row or the reward, and the fix; what a user means (padded
+`input_ids` with their `attention_mask`, a reward without `**columns`) works."""
 
 import copy
 
 import pytest
+import torch
 from conftest import build_trainer
 from datasets import Dataset, DatasetDict
 
+from trl_ppo import PPOTrainer
 from trl_ppo.data import prepare_prompts
+from trl_ppo.rewards import reward_function_scores
 
 PROMPTS = ["the movie was good", "my day felt long", "our trip", "fun"] * 4
 
@@ -166,3 +169,107 @@ def test_other_dataset_containers_say_how_to_get_a_dataset(name, tokenizer, make
     for given, message in cases:
         with pytest.raises(TypeError, match=rf"`{name}` {message}"):
             prepare(given, tokenizer, make_config(), name)
+
+
+# --------------------------------------------------------------------------------------- argument names
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("tokenizer", "`processing_class=`"),
+        ("config", "`args=`"),
+        ("policy", "`model=`"),
+        ("ref_policy", "`ref_model=`"),
+        ("dataset", "`train_dataset=`.*trl_ppo.legacy.PPOTrainer"),
+    ],
+)
+def test_argument_names_of_older_trl_releases_say_the_new_name(old, new):
+    with pytest.raises(TypeError, match=rf"PPOTrainer: `{old}=` is the name in older TRL releases; pass {new}"):
+        PPOTrainer(model=None, ref_model=None, **{old: None})
+    with pytest.raises(TypeError, match=r"there is no argument `reward_models=`: did you mean `reward_model=`\?"):
+        PPOTrainer(args=None, processing_class=None, model=None, ref_model=None, reward_models=None)
+
+
+def test_trl_011_config_given_as_args_points_to_the_legacy_trainer(tokenizer):
+    from trl_ppo.legacy import PPOConfig as LegacyConfig
+
+    with pytest.raises(TypeError, match=r"got trl_ppo.legacy.config.PPOConfig.*use `trl_ppo.legacy.PPOTrainer`"):
+        PPOTrainer(LegacyConfig(), tokenizer, None, None)
+
+
+# ------------------------------------------------------------------------------------- reward functions
+def test_a_reward_function_gets_only_the_arguments_it_names():
+    columns = {"prompt": ["p"] * 2, "reference": ["r"] * 2}
+    for function in (
+        lambda prompts, completions: [1.0] * len(completions),
+        lambda completions: [1.0] * len(completions),
+        lambda *, completions, reference=None: [1.0] * len(completions),
+    ):
+        scores, _ = reward_function_scores(function, "f", ["p"] * 2, ["c"] * 2, columns, "cpu")
+        assert scores.tolist() == [1.0, 1.0]
+
+
+def test_a_reward_without_columns_scores_a_batch(make_config, tokenizer, load_models):
+    def brief(prompts, completions):
+        return [-float(len(c.split())) for c in completions]
+
+    trainer = build_trainer(make_config(), tokenizer, load_models, Dataset.from_dict({"prompt": PROMPTS}), reward=brief)
+    batch = next(iter(trainer.train_dataloader))
+    scores, _ = trainer.score(trainer.collect_rollout(batch), batch)
+    assert scores.shape == (8,)
+
+
+def test_a_reward_requiring_what_a_dataset_lacks_fails_when_the_trainer_is_built(make_config, tokenizer, load_models):
+    def exact(prompts, completions, reference):
+        return [float(c == r) for c, r in zip(completions, reference)]
+
+    train = Dataset.from_dict({"prompt": PROMPTS, "reference": PROMPTS})
+    with pytest.raises(
+        ValueError,
+        match=r"Reward function 'exact' requires 'reference'.*columns of `eval_dataset` "
+        r"\(prompt\)",
+    ):
+        build_trainer(
+            make_config(),
+            tokenizer,
+            load_models,
+            train,
+            reward=exact,
+            eval_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        )
+    with pytest.raises(ValueError, match=r"Reward function '<lambda>' requires 'p', 'c'.*add `\*\*columns`"):
+        build_trainer(make_config(), tokenizer, load_models, train, reward=lambda p, c: [0.0] * len(c))
+
+
+def test_each_reward_gets_its_own_copy_of_the_lists(make_config, tokenizer, load_models):
+    seen = {}
+
+    def vandal(prompts, completions, **columns):
+        scores = [1.0] * len(completions)
+        completions.clear()
+        columns["reference"][0] = "changed"
+        return scores
+
+    def reader(prompts, completions, reference):
+        seen.update(completions=list(completions), reference=list(reference))
+        return [0.0] * len(completions)
+
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "reference": PROMPTS})
+    trainer = build_trainer(make_config(), tokenizer, load_models, dataset, reward=[vandal, reader])
+    batch = next(iter(trainer.train_dataloader))
+    given = list(batch["reference"])
+    trainer.score(trainer.collect_rollout(batch), batch)
+    assert len(seen["completions"]) == 8 and seen["reference"] == given == batch["reference"]
+
+
+def test_a_huge_score_names_the_reward_and_the_update(make_config, tokenizer, load_models):
+    def huge(prompts, completions):
+        return [1e30] * len(completions)
+
+    trainer = build_trainer(make_config(), tokenizer, load_models, Dataset.from_dict({"prompt": PROMPTS}), reward=huge)
+    batch = next(iter(trainer.train_dataloader))
+    with pytest.raises(ValueError, match=r"Update 1: Reward 'huge' returned 8 score\(s\) beyond ±1e\+10 .*1e\+30"):
+        trainer.score(trainer.collect_rollout(batch), batch)
+    queries = [torch.tensor([3, 4])] * 8
+    with pytest.raises(ValueError, match=r"`step\(\)` got a score of -1e\+30, beyond ±1e\+10"):
+        trainer.step(queries, queries, [1.0] * 7 + [-1e30])
+    reward_function_scores(lambda completions: [1e9] * 2, "large", ["p"] * 2, ["c"] * 2, {}, "cpu")  # allowed

@@ -3,6 +3,10 @@ compute), the prompts prepared, the models made ready for PPO, and what must mat
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+
 from torch import nn
 
 from . import checkpoint as ckpt
@@ -16,13 +20,52 @@ from .models import (
     prepare_models,
     vocabulary_size,
 )
-from .rewards import Reward, build_rewards, models_reading_policy_ids
+from .rewards import Reward, build_rewards, check_reward_columns, models_reading_policy_ids
+
+# Argument names of TRL's earlier PPO trainers -> what to pass here instead.
+RENAMED_ARGUMENTS = {
+    "config": "`args=` (a `trl_ppo.PPOConfig`)",
+    "tokenizer": "`processing_class=`",
+    "policy": "`model=`",
+    "ref_policy": "`ref_model=`",
+    "dataset": "`train_dataset=`",
+    "optimizer": "`optimizers=(optimizer, lr_scheduler)`",
+    "lr_scheduler": "`optimizers=(optimizer, lr_scheduler)`",
+    "num_shared_layers": "`ref_model=create_reference_model(model, num_shared_layers=n)`",
+}
+LEGACY_ONLY = ("dataset", "optimizer", "lr_scheduler", "num_shared_layers", "training_data_collator")
+
+
+def refuse_old_names(init):
+    """Wrap `PPOTrainer.__init__` so that an argument it does not take fails with the name to use instead: the
+    name TRL's later trainers gave it, or the closest of its own (Python's error names only what is wrong)."""
+    accepted = [name for name in inspect.signature(init).parameters if name != "self"]
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        unknown = [name for name in kwargs if name not in accepted]
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: " + " ".join(_instead(name, accepted) for name in unknown))
+        return init(self, *args, **kwargs)
+
+    return checked_init
+
+
+def _instead(name: str, accepted: list[str]) -> str:
+    if name in RENAMED_ARGUMENTS:
+        legacy = " (or `trl_ppo.legacy.PPOTrainer`, which keeps trl 0.11's `step()` API)" if name in LEGACY_ONLY else ""
+        return f"`{name}=` is the name in older TRL releases; pass {RENAMED_ARGUMENTS[name]}{legacy}."
+    close = difflib.get_close_matches(name, accepted, n=1)
+    hint = f"did you mean `{close[0]}=`?" if close else f"it takes {', '.join(accepted)}."
+    return f"there is no argument `{name}=`: {hint}"
 
 
 def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> list[Reward]:
     """Check the config, the tokenizer and the rewards -> the rewards, named and weighted."""
     if not isinstance(args, OnPolicyConfig):
-        raise TypeError(f"`args` must be a `PPOConfig`, got {type(args).__name__}.")
+        kind = f"{type(args).__module__}.{type(args).__qualname__}"
+        legacy = " (for trl 0.11's config, use `trl_ppo.legacy.PPOTrainer`)" if "legacy" in kind else ""
+        raise TypeError(f"`args` must be a `trl_ppo.PPOConfig`, got {kind}{legacy}.")
     validate_config(args)
     if tokenizer is None:
         raise ValueError(
@@ -43,13 +86,15 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
     return build_rewards(reward_model, args.reward_weights, reward_processing_class)
 
 
-def prepare_data(args, tokenizer, train_dataset, eval_dataset, policy: nn.Module) -> tuple:
-    """Both prompt datasets with `input_ids`, cut to `max_prompt_length` and checked against the policy's context
-    and against the config -> (train_dataset, eval_dataset); each may be None."""
+def prepare_data(args, tokenizer, train_dataset, eval_dataset, policy: nn.Module, rewards: list[Reward]) -> tuple:
+    """Both prompt datasets with `input_ids`, cut to `max_prompt_length` and checked against the policy's context,
+    the config and what the reward functions take -> (train_dataset, eval_dataset); each may be None."""
     context, vocab = context_length(policy), vocabulary_size(policy, tokenizer)
     train_dataset = prepare_prompts(train_dataset, tokenizer, args, context, "train_dataset", vocab)
     eval_dataset = prepare_prompts(eval_dataset, tokenizer, args, context, "eval_dataset", vocab)
     check_datasets(args, train_dataset, eval_dataset)
+    check_reward_columns(rewards, train_dataset, "train_dataset")
+    check_reward_columns(rewards, eval_dataset, "eval_dataset")
     return train_dataset, eval_dataset
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import inspect
 import numbers
 import reprlib
@@ -200,24 +201,74 @@ def reward_values(result, name: str, count: int) -> list:
     return result
 
 
+def reward_arguments(
+    reward_function: RewardFunction, name: str, available: dict[str, Any], source: str = "the batch"
+) -> dict[str, Any]:
+    """The keyword arguments `reward_function` takes, out of `available` (`prompts`, `completions` and the
+    columns of `source`): all of them for a function with `**kwargs`, else only the ones it names, so
+    `lambda prompts, completions: ...` works. A parameter it requires that is not available is an error naming
+    the reward. Each value is a copy: a reward that mutates its lists cannot change what the next one sees."""
+    try:
+        parameters = inspect.signature(reward_function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): give it everything
+        parameters = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return copy.deepcopy(available)
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = [p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_POSITIONAL]
+    missing = [parameter for parameter in required if parameter not in named or parameter not in available]
+    if missing:
+        columns = [key for key in available if key not in ("prompts", "completions")]
+        raise ValueError(
+            f"Reward function {name!r} requires {', '.join(map(repr, missing))}, which the trainer cannot pass: it "
+            f"calls rewards by keyword with `prompts`, `completions` and the other columns of {source} "
+            f"({', '.join(columns) or 'none'}). Name its parameters after those, give the others defaults, or add "
+            "`**columns`."
+        )
+    return copy.deepcopy({key: value for key, value in available.items() if key in named})
+
+
+def check_reward_columns(rewards: list[Reward], dataset, name: str) -> None:
+    """Before any compute: every reward function can be called with what a batch of `dataset` gives it."""
+    if dataset is None:
+        return
+    columns = [column for column in dataset.column_names if column not in ("input_ids", "attention_mask")]
+    available = dict.fromkeys(["prompts", "completions", *columns])
+    for reward in rewards:
+        if not reward.is_model:
+            reward_arguments(reward.source, reward.name, available, f"`{name}`")
+
+
 def reward_function_scores(
     reward_function: RewardFunction, name: str, prompts: list[str], completions: list[str], columns: dict, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (scores `[B]` with 0 where missing, present `[B]` bool: False where the function returned None)."""
-    result = call_reward_function(reward_function, prompts=prompts, completions=completions, **columns)
-    values = reward_values(result, name, len(completions))
+    arguments = reward_arguments(reward_function, name, {"prompts": prompts, "completions": completions, **columns})
+    values = reward_values(call_reward_function(reward_function, **arguments), name, len(completions))
     present = torch.tensor([value is not None for value in values], dtype=torch.bool, device=device)
     scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32, device=device)
     return scores, present
 
 
+# PPO squares scores (value loss, whitening), so float32 overflows near 1e19; far below that, no sane reward.
+MAX_ABS_SCORE = 1e10
+
+
 def check_finite_scores(scores: torch.Tensor, name: str) -> None:
-    """Raise, naming the reward, when a score is NaN or infinite (it would poison every later update)."""
+    """Raise, naming the reward, when a score is NaN, infinite or beyond `MAX_ABS_SCORE` (it would poison every
+    later update)."""
     bad = ~torch.isfinite(scores)
     if bool(bad.any()):
         raise ValueError(
             f"Reward {name!r} returned {int(bad.sum())} non-finite score(s) out of {scores.numel()} "
             f"(first: {scores[bad][0].item()}): make it return finite floats."
+        )
+    huge = scores.abs() > MAX_ABS_SCORE
+    if bool(huge.any()):
+        raise ValueError(
+            f"Reward {name!r} returned {int(huge.sum())} score(s) beyond ±{MAX_ABS_SCORE:g} out of {scores.numel()} "
+            f"(first: {scores[huge][0].item():g}): PPO squares scores (value loss, whitening), which overflows. "
+            "Rescale the reward (e.g. a log or a division), or clip it in the function."
         )
 
 

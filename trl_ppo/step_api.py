@@ -25,6 +25,7 @@ from . import distributed as dist
 from . import ppo
 from .data import LeftPaddingCollator, check_token_ids, prompts_on_device
 from .models import PolicyAndValueWrapper, PreparedModels, peft_reference
+from .rewards import MAX_ABS_SCORE
 from .rollout import Rollout, Sampling, chunks, sample_rollout
 from .update import UpdateResult
 from .value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
@@ -209,7 +210,7 @@ def check_token_lists(tensors: list, name: str) -> list[torch.Tensor]:
 
 
 def scores_tensor(scores) -> torch.Tensor:
-    """Scores as a float32 `[B]` tensor; a score that is not one finite number is an error."""
+    """Scores as a float32 `[B]` tensor; a score that is not one finite number within `MAX_ABS_SCORE` is an error."""
     if isinstance(scores, torch.Tensor):
         values = scores.detach().float().reshape(-1)
     else:
@@ -220,4 +221,10 @@ def scores_tensor(scores) -> torch.Tensor:
     if not bool(torch.isfinite(values).all()):
         bad = values[~torch.isfinite(values)][0].item()
         raise ValueError(f"`step()` got a non-finite score ({bad}): scores must be finite numbers.")
+    if bool((values.abs() > MAX_ABS_SCORE).any()):
+        bad = values[values.abs() > MAX_ABS_SCORE][0].item()
+        raise ValueError(
+            f"`step()` got a score of {bad:g}, beyond ±{MAX_ABS_SCORE:g}: PPO squares scores (value loss, "
+            "whitening), which overflows. Rescale the scores."
+        )
     return values.cpu()

@@ -41,7 +41,7 @@ from .models import (
     with_value_function,
 )
 from .on_policy_trainer import OnPolicyTrainer
-from .preparation import initial_fingerprints, prepare_all_models, prepare_data, validate_inputs
+from .preparation import initial_fingerprints, prepare_all_models, prepare_data, refuse_old_names, validate_inputs
 from .rewards import Scoring
 from .rollout import Rollout, Sampling, add_logprobs_and_values, collect_rollout
 
@@ -77,6 +77,7 @@ class PPOTrainer(OnPolicyTrainer):
 
     _tag_names = ["trl_ppo", "ppo"]
 
+    @refuse_old_names
     def __init__(
         self,
         args: PPOConfig,
@@ -96,7 +97,7 @@ class PPOTrainer(OnPolicyTrainer):
         tokenizer = processing_class
         rewards = validate_inputs(args, tokenizer, reward_model, reward_processing_class)
         model = with_value_function(model, value_model, args.seed)
-        train_dataset, eval_dataset = prepare_data(args, tokenizer, train_dataset, eval_dataset, model)
+        train_dataset, eval_dataset = prepare_data(args, tokenizer, train_dataset, eval_dataset, model, rewards)
         fingerprints = initial_fingerprints(model, ref_model, value_model, rewards)
         model, ref_model = prepare_all_models(args, tokenizer, model, ref_model, value_model, rewards, peft_config)
 
@@ -106,8 +107,7 @@ class PPOTrainer(OnPolicyTrainer):
         self.stop_signal: str | None = None  # a SIGTERM/SIGINT that came at the end of `train()` (it finished)
         collator = data.LeftPaddingCollator(tokenizer.pad_token_id) if data_collator is None else data_collator
         wrapper = PolicyAndValueWrapper(model, value_model)
-        datasets = (train_dataset, eval_dataset)
-        names = [reward.name for reward in rewards]
+        datasets, names = (train_dataset, eval_dataset), [reward.name for reward in rewards]
         super().__init__(args, tokenizer, wrapper, *datasets, collator, callbacks, optimizers, fingerprints, names)
         self._prepare_distributed(ref_model)
 
