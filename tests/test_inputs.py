@@ -236,6 +236,9 @@ def test_a_reward_requiring_what_a_dataset_lacks_fails_when_the_trainer_is_built
             reward=exact,
             eval_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         )
+    trainer = build_trainer(make_config(), tokenizer, load_models, train, reward=exact)
+    with pytest.raises(ValueError, match=r"^Reward function 'exact' requires 'reference'.*of `eval_dataset`"):
+        trainer.evaluate(Dataset.from_dict({"prompt": PROMPTS}))  # before sampling, not in its scoring
     with pytest.raises(ValueError, match=r"Reward function '<lambda>' requires 'p', 'c'.*add `\*\*columns`"):
         build_trainer(make_config(), tokenizer, load_models, train, reward=lambda p, c: [0.0] * len(c))
 

@@ -13,7 +13,7 @@ import torch
 from . import ppo
 from .metrics import reward_metrics
 from .models import PreparedModels
-from .rewards import Scoring
+from .rewards import Scoring, check_reward_columns
 from .rollout import Sampling, chunks, collect_rollout
 
 
@@ -34,6 +34,7 @@ def evaluation_metrics(
     processes (unprefixed): `objective/scores` (and `objective/scores/<reward>`), `objective/kl` (summed per
     sequence, the training penalty's estimator), `val/mean_response_length` and `val/stop_token_frac` (responses
     ending with `sampling.stop_token_id`, else EOS: `scoring.penalty_token_id`). `where` labels reward errors."""
+    check_reward_columns(scoring.rewards, dataset, "eval_dataset")  # before sampling (`evaluate(eval_dataset=...)`)
     accelerator = models.accelerator
     indices, counted = process_share(len(dataset), accelerator.num_processes, accelerator.process_index)
     totals, per_reward = torch.zeros(5, device=accelerator.device), {}
