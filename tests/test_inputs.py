@@ -276,3 +276,16 @@ def test_a_huge_score_names_the_reward_and_the_update(make_config, tokenizer, lo
     with pytest.raises(ValueError, match=r"`step\(\)` got a score of -1e\+30, beyond ±1e\+10"):
         trainer.step(queries, queries, [1.0] * 7 + [-1e30])
     reward_function_scores(lambda completions: [1e9] * 2, "large", ["p"] * 2, ["c"] * 2, {}, "cpu")  # allowed
+
+
+def test_an_error_inside_a_reward_function_keeps_its_type_and_names_the_reward(make_config, tokenizer, load_models):
+    def lookup(prompts, completions):
+        return [{"good": 1.0}[c] for c in completions]
+
+    trainer = build_trainer(
+        make_config(), tokenizer, load_models, Dataset.from_dict({"prompt": PROMPTS}), reward=lookup
+    )
+    batch = next(iter(trainer.train_dataloader))
+    with pytest.raises(KeyError) as raised:
+        trainer.score(trainer.collect_rollout(batch), batch)
+    assert raised.value.__notes__ == ["Raised by reward function 'lookup'.", "Update 1, while scoring."]

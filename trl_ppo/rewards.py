@@ -244,7 +244,12 @@ def reward_function_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (scores `[B]` with 0 where missing, present `[B]` bool: False where the function returned None)."""
     arguments = reward_arguments(reward_function, name, {"prompts": prompts, "completions": completions, **columns})
-    values = reward_values(call_reward_function(reward_function, **arguments), name, len(completions))
+    try:
+        result = call_reward_function(reward_function, **arguments)
+    except Exception as error:
+        _add_note(error, f"Raised by reward function {name!r}.")
+        raise
+    values = reward_values(result, name, len(completions))
     present = torch.tensor([value is not None for value in values], dtype=torch.bool, device=device)
     scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32, device=device)
     return scores, present
@@ -352,8 +357,17 @@ class Scoring:
 
 @contextlib.contextmanager
 def _labelled_errors(where: str):
-    """Prefix a reward error (`ValueError`) with where it happened, e.g. "Update 3"."""
+    """Prefix a reward error (`ValueError`) with where it happened, e.g. "Update 3"; any other error raised while
+    scoring (a bug in a reward function) keeps its type and gets a note saying where."""
     try:
         yield
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
+    except Exception as error:
+        _add_note(error, f"{where}, while scoring.")
+        raise
+
+
+def _add_note(error: Exception, note: str) -> None:
+    if hasattr(error, "add_note"):  # Python >= 3.11; on 3.10 the traceback still shows the function
+        error.add_note(note)
