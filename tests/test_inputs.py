@@ -41,6 +41,13 @@ def test_the_trainer_unpads_input_ids_by_their_attention_mask(make_config, token
     assert batch["input_ids"][:, -1].tolist() == [ids[-1] for ids in tokenizer(PROMPTS[:4])["input_ids"]]
 
 
+def test_step_refuses_padded_queries(make_config, tokenizer, load_models):
+    trainer = build_trainer(make_config(total_episodes=80), tokenizer, load_models)
+    queries = list(tokenizer(PROMPTS[:8], padding=True, return_tensors="pt").input_ids)  # left-padded
+    with pytest.raises(ValueError, match=r"4 row\(s\) of `step\(\)`'s `queries` \(first: row 2, \[0, 0, .*pad token"):
+        trainer.step(queries, [torch.tensor([3, 4])] * 8, [1.0] * 8)
+
+
 @pytest.mark.parametrize(
     "mask, message",
     [

@@ -77,27 +77,41 @@ def strip_masked_padding(dataset, name: str):
 
 
 def check_rows(dataset, tokenizer, name: str, check_padding: bool) -> None:
-    """Every prompt has tokens, and (for `input_ids` given by the user, without an `attention_mask`) carries no
-    padding at either end: a pad id there would be attended to as a prompt token. A pad token that is also the
-    EOS or BOS token may end or begin a real prompt once, so only a run of two or more counts then."""
-    pad = tokenizer.pad_token_id
-    ambiguous = pad in (tokenizer.eos_token_id, tokenizer.bos_token_id)
+    """Every prompt has tokens, and (for `input_ids` given by the user, without an `attention_mask`) none
+    `looks_padded`."""
     padded = []
     for index, ids in enumerate(dataset["input_ids"]):
         ids = [] if ids is None else list(ids)
         if not ids:
             raise ValueError(f"Row {index} of `{name}` is an empty prompt{_prompt_of(dataset, index)}: {_EMPTY_FIX}")
-        if check_padding and pad is not None and _padding_run(ids, pad) > int(ambiguous):
+        if check_padding and looks_padded(ids, tokenizer):
             padded.append(index)
     if padded:
-        raise ValueError(
-            f"{len(padded)} row(s) of `{name}`'s `input_ids` (first: row {padded[0]}, "
-            f"{_short(list(dataset[padded[0]]['input_ids']))}) begin or end with the pad token "
-            f"{tokenizer.pad_token!r} (id {pad}){' repeated' if ambiguous else ''}: they look padded (e.g. "
-            "`tokenizer(texts, padding=True)`), and the pad tokens would be read as prompt. Tokenize without "
-            "padding (`tokenizer(text)['input_ids']` per row), or keep the `attention_mask` column beside "
-            "`input_ids`: the trainer then removes what it marks as padding."
+        raise padding_error(
+            tokenizer,
+            f"`{name}`'s `input_ids`",
+            padded,
+            list(dataset[padded[0]]["input_ids"]),
+            "Tokenize without padding (`tokenizer(text)['input_ids']` per row), or keep the `attention_mask` column "
+            "beside `input_ids`: the trainer then removes what it marks as padding.",
         )
+
+
+def looks_padded(ids: list, tokenizer) -> bool:
+    """Whether prompt ids begin or end with padding, which would be attended to as prompt: the pad id at either end;
+    for a pad token that is also the EOS or BOS token (a real prompt may begin or end with one), two in a row."""
+    pad = tokenizer.pad_token_id
+    return pad is not None and _padding_run(ids, pad) > int(pad in (tokenizer.eos_token_id, tokenizer.bos_token_id))
+
+
+def padding_error(tokenizer, where: str, rows: list[int], first: list, fix: str) -> ValueError:
+    """The error for `rows` of `where` that `looks_padded` (`first`: the ids of the first), with `fix`."""
+    repeated = " repeated" if tokenizer.pad_token_id in (tokenizer.eos_token_id, tokenizer.bos_token_id) else ""
+    return ValueError(
+        f"{len(rows)} row(s) of {where} (first: row {rows[0]}, {_short(first)}) begin or end with the pad token "
+        f"{tokenizer.pad_token!r} (id {tokenizer.pad_token_id}){repeated}: they look padded (e.g. `tokenizer(texts, "
+        f"padding=True)`), and the pad tokens would be read as prompt. {fix}"
+    )
 
 
 _EMPTY_FIX = "PPO needs at least one token to sample a response after. Remove it (`dataset.filter(...)`) or fill it."

@@ -22,7 +22,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from . import distributed as dist
-from . import ppo
+from . import ppo, prompt_checks
 from .data import LeftPaddingCollator, check_token_ids, prompts_on_device
 from .models import PolicyAndValueWrapper, PreparedModels, peft_reference
 from .rewards import MAX_ABS_SCORE
@@ -150,12 +150,16 @@ def check_response_masks(response_masks, responses: list[torch.Tensor]) -> list[
     return checked
 
 
-def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size: int):
-    """`step()`'s inputs checked -> (queries, responses: lists of 1-D long tensors with ids below `vocab_size`;
-    scores: float32 `[B]`)."""
+def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size: int, tokenizer):
+    """`step()`'s inputs checked -> (queries, responses: lists of 1-D long tensors with ids below `vocab_size`,
+    queries without padding; scores: float32 `[B]`)."""
     queries = check_token_lists(list(queries), "queries")
     responses = check_token_lists(list(responses), "responses")
     check_episode_token_ids(queries, responses, vocab_size)
+    padded = [index for index, query in enumerate(queries) if prompt_checks.looks_padded(query.tolist(), tokenizer)]
+    if padded:
+        fix = "Give each query's own tokens (e.g. `tokenizer(text, return_tensors='pt').input_ids[0]`)."
+        raise prompt_checks.padding_error(tokenizer, "`step()`'s `queries`", padded, queries[padded[0]].tolist(), fix)
     scores = scores_tensor(scores)
     if not len(queries) == len(responses) == scores.numel():
         raise ValueError(

@@ -288,7 +288,7 @@ class PPOTrainer(OnPolicyTrainer):
         episodes: `queries` and `responses` as 1-D token ids (the responses exactly as produced, a stop token
         included, no padding) and one score each (floats, 0-d tensors or a `[B]` tensor). `response_masks`: one
         1-D 0/1 tensor per response leaving tokens (e.g. tool output) out of training. -> the update's metrics."""
-        size = (self.args.local_batch_size, self.vocabulary_size)
+        size = (self.args.local_batch_size, self.vocabulary_size, self.processing_class)
         queries, responses, scores = episodes.check_episodes(queries, responses, scores, *size)
         response_masks = episodes.check_response_masks(response_masks, responses)
         return self.update_on_episodes(queries, responses, scores, response_masks).metrics
