@@ -296,3 +296,10 @@ def test_an_error_inside_a_reward_function_keeps_its_type_and_names_the_reward(m
     with pytest.raises(KeyError) as raised:
         trainer.score(trainer.collect_rollout(batch), batch)
     assert raised.value.__notes__ == ["Raised by reward function 'lookup'.", "Update 1, while scoring."]
+
+    def strict(prompts, completions):
+        raise ValueError("no judge available")
+
+    trainer.rewards[0].source = strict
+    with pytest.raises(ValueError, match=r"^Update 1: Reward function 'lookup' raised: no judge available$"):
+        trainer.score(trainer.collect_rollout(batch), batch)

@@ -33,12 +33,13 @@ RENAMED_ARGUMENTS = {
     "lr_scheduler": "`optimizers=(optimizer, lr_scheduler)`",
     "num_shared_layers": "`ref_model=create_reference_model(model, num_shared_layers=n)`",
 }
-LEGACY_ONLY = ("dataset", "optimizer", "lr_scheduler", "num_shared_layers", "training_data_collator")
+LEGACY_ONLY = ("dataset", "optimizer", "lr_scheduler", "num_shared_layers")  # trl <= 0.11's step-API trainer
 
 
 def refuse_old_names(init):
-    """Wrap `PPOTrainer.__init__` so that an argument it does not take fails with the name to use instead: the
-    name TRL's later trainers gave it, or the closest of its own (Python's error names only what is wrong)."""
+    """Wrap `PPOTrainer.__init__` so that a keyword argument it does not take fails saying what to pass instead:
+    for a name of TRL's earlier trainers (`RENAMED_ARGUMENTS`) the one used here, for any other the closest
+    accepted name (Python's own error names only what is wrong)."""
     accepted = [name for name in inspect.signature(init).parameters if name != "self"]
 
     @functools.wraps(init)

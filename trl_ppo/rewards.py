@@ -246,6 +246,8 @@ def reward_function_scores(
     arguments = reward_arguments(reward_function, name, {"prompts": prompts, "completions": completions, **columns})
     try:
         result = call_reward_function(reward_function, **arguments)
+    except ValueError as error:  # labelled with the update by `Scoring`, which re-raises ValueErrors
+        raise ValueError(f"Reward function {name!r} raised: {error}") from error
     except Exception as error:
         _add_note(error, f"Raised by reward function {name!r}.")
         raise
