@@ -250,56 +250,55 @@ def test_a_reward_requiring_what_a_dataset_lacks_fails_when_the_trainer_is_built
         build_trainer(make_config(), tokenizer, load_models, train, reward=lambda p, c: [0.0] * len(c))
 
 
-def test_each_reward_gets_its_own_copy_of_the_lists(make_config, tokenizer, load_models):
+def score_two_episodes(rewards, tokenizer, columns=None):
+    """`Scoring` as an update uses it ("Update 1"), on two hand-made episodes: no model, no sampling."""
+    from trl_ppo.rewards import Scoring, build_rewards
+    from trl_ppo.step_api import rollout_of
+
+    rollout = rollout_of([torch.tensor([3, 4])] * 2, [torch.tensor([5, 6])] * 2, tokenizer.pad_token_id, "cpu")
+    return Scoring(build_rewards(rewards), tokenizer, 2, None, None)(rollout, dict(columns or {}), "Update 1")
+
+
+def test_each_reward_gets_its_own_copy_of_the_lists(tokenizer):
     seen = {}
 
     def vandal(prompts, completions, **columns):
-        scores = [1.0] * len(completions)
         completions.clear()
         columns["reference"][0] = "changed"
-        return scores
+        return [1.0] * len(prompts)
 
     def reader(prompts, completions, reference):
         seen.update(completions=list(completions), reference=list(reference))
         return [0.0] * len(completions)
 
-    dataset = Dataset.from_dict({"prompt": PROMPTS, "reference": PROMPTS})
-    trainer = build_trainer(make_config(), tokenizer, load_models, dataset, reward=[vandal, reader])
-    batch = next(iter(trainer.train_dataloader))
-    given = list(batch["reference"])
-    trainer.score(trainer.collect_rollout(batch), batch)
-    assert len(seen["completions"]) == 8 and seen["reference"] == given == batch["reference"]
+    batch = {"reference": ["first", "second"]}
+    score_two_episodes([vandal, reader], tokenizer, batch)
+    assert len(seen["completions"]) == 2 and seen["reference"] == ["first", "second"] == batch["reference"]
 
 
 def test_a_huge_score_names_the_reward_and_the_update(make_config, tokenizer, load_models):
     def huge(prompts, completions):
         return [1e30] * len(completions)
 
-    trainer = build_trainer(make_config(), tokenizer, load_models, Dataset.from_dict({"prompt": PROMPTS}), reward=huge)
-    batch = next(iter(trainer.train_dataloader))
-    with pytest.raises(ValueError, match=r"Update 1: Reward 'huge' returned 8 score\(s\) beyond ±1e\+10 .*1e\+30"):
-        trainer.score(trainer.collect_rollout(batch), batch)
+    with pytest.raises(ValueError, match=r"^Update 1: Reward 'huge' returned 2 score\(s\) beyond ±1e\+10 .*1e\+30"):
+        score_two_episodes([huge], tokenizer)
+    score_two_episodes([lambda completions: [1e9] * 2], tokenizer)  # large, but allowed
+    trainer = build_trainer(make_config(total_episodes=80), tokenizer, load_models)
     queries = [torch.tensor([3, 4])] * 8
     with pytest.raises(ValueError, match=r"`step\(\)` got a score of -1e\+30, beyond ±1e\+10"):
         trainer.step(queries, queries, [1.0] * 7 + [-1e30])
-    reward_function_scores(lambda completions: [1e9] * 2, "large", ["p"] * 2, ["c"] * 2, {}, "cpu")  # allowed
 
 
-def test_an_error_inside_a_reward_function_keeps_its_type_and_names_the_reward(make_config, tokenizer, load_models):
+def test_an_error_inside_a_reward_function_keeps_its_type_and_names_the_reward(tokenizer):
     def lookup(prompts, completions):
         return [{"good": 1.0}[c] for c in completions]
 
-    trainer = build_trainer(
-        make_config(), tokenizer, load_models, Dataset.from_dict({"prompt": PROMPTS}), reward=lookup
-    )
-    batch = next(iter(trainer.train_dataloader))
     with pytest.raises(KeyError) as raised:
-        trainer.score(trainer.collect_rollout(batch), batch)
+        score_two_episodes([lookup], tokenizer)
     assert raised.value.__notes__ == ["Raised by reward function 'lookup'.", "Update 1, while scoring."]
 
     def strict(prompts, completions):
         raise ValueError("no judge available")
 
-    trainer.rewards[0].source = strict
-    with pytest.raises(ValueError, match=r"^Update 1: Reward function 'lookup' raised: no judge available$"):
-        trainer.score(trainer.collect_rollout(batch), batch)
+    with pytest.raises(ValueError, match=r"^Update 1: Reward function 'strict' raised: no judge available$"):
+        score_two_episodes([strict], tokenizer)
