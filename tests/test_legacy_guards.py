@@ -9,7 +9,16 @@ import math
 
 import pytest
 import torch
-from test_legacy import _one_thread, _run_in_tmp_path, config_for, episodes, gpt2_path, load_vhead, scores_of, snapshot  # noqa: F401
+from test_legacy import (  # noqa: F401  (fixtures: used by name)
+    _one_thread,
+    _run_in_tmp_path,
+    config_for,
+    episodes,
+    gpt2_path,
+    load_vhead,
+    scores_of,
+    snapshot,
+)
 
 from trl_ppo.legacy import AutoModelForCausalLMWithValueHead, PPOTrainer
 
@@ -186,3 +195,74 @@ def test_a_pad_token_set_after_the_trainer_is_made_is_accepted(gpt2_path, tokeni
     responses = trainer.generate(queries, return_prompt=False, max_new_tokens=3)
     trainer.step(queries, responses, scores_of(1.0, 0.0))
     assert trainer.trainer.state.global_step == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reward_adapter: trl 0.11's multi-adapter RL (its test_ppo_trainer.py's case, on the tiny GPT-2)
+
+
+def reward_adapter_folder(gpt2_path, folder):
+    """A LoRA reward model (sequence classification, `score` head) trained one step and saved as trl 0.11's users
+    made them -> its logits on fixed inputs, before and after that step."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(gpt2_path, num_labels=1)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="SEQ_CLS")
+    reward_model = get_peft_model(reward_model, config)
+    inputs = torch.tensor([[10, 11, 12, 13], [14, 15, 16, 17]])
+    before = reward_model(inputs).logits.detach()
+    optimizer = torch.optim.Adam([p for p in reward_model.parameters() if p.requires_grad], lr=1e-2)
+    reward_model(inputs).logits.mean().backward()
+    optimizer.step()
+    reward_model.eval()
+    after = reward_model(inputs).logits.detach()
+    reward_model.save_pretrained(folder)
+    return inputs, before, after
+
+
+def test_reward_adapter_scores_on_the_policy_backbone_and_stays_frozen(gpt2_path, tokenizer, tmp_path):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    inputs, untrained, trained = reward_adapter_folder(gpt2_path, tmp_path / "rm_adapter")
+    assert not torch.allclose(untrained, trained)
+    policy_lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM")
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(
+        gpt2_path, peft_config=policy_lora, reward_adapter=str(tmp_path / "rm_adapter")
+    )
+    assert model.supports_rm_adapter and model.rm_adapter_name == "reward_adapter"
+    backbone = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(gpt2_path).parameters())
+    assert sum(p.numel() for p in model.parameters()) < 1.2 * backbone  # one backbone, not two
+    reward_weights = {
+        name: p.detach().clone() for name, p in model.named_parameters() if "reward" in name or "score" in name
+    }
+    assert reward_weights and not any(p.requires_grad for n, p in model.named_parameters() if n in reward_weights)
+
+    trainer = PPOTrainer(config_for(), model, None, tokenizer)
+    assert trainer.ref_model is None
+    queries, responses = episodes(tokenizer, [4, 3], [3, 4])
+    for _ in range(2):
+        trainer.step(queries, responses, scores_of(1.0, 0.0))
+    scores = model.compute_reward_score(inputs)
+    assert scores.shape == (2, 4, 1)
+    torch.testing.assert_close(scores[:, -1, :], trained, atol=1e-5, rtol=1e-4)  # the reward model, exactly
+    assert model.pretrained_model.active_adapter == "default"
+    for name, value in model.named_parameters():
+        if name in reward_weights:
+            assert torch.equal(value, reward_weights[name]) and not value.requires_grad, name
+        elif "lora" in name and "default" in name:
+            assert value.requires_grad, name  # the policy's adapter still trains
+
+
+def test_reward_adapter_is_refused_clearly_without_peft_or_a_score_head(gpt2_path, tmp_path):
+    with pytest.raises(ValueError, match=r"`reward_adapter` can only be used with a PEFT policy: pass `peft_config`"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(gpt2_path, reward_adapter=str(tmp_path))
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"holds no adapter weights"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(gpt2_path, peft_config=lora, reward_adapter=str(tmp_path))
+    with pytest.raises(ValueError, match=r"does not support reward modeling adapter: load it with"):
+        load_vhead(gpt2_path).compute_reward_score(torch.tensor([[10, 11]]))
