@@ -266,3 +266,12 @@ def test_reward_adapter_is_refused_clearly_without_peft_or_a_score_head(gpt2_pat
         AutoModelForCausalLMWithValueHead.from_pretrained(gpt2_path, peft_config=lora, reward_adapter=str(tmp_path))
     with pytest.raises(ValueError, match=r"does not support reward modeling adapter: load it with"):
         load_vhead(gpt2_path).compute_reward_score(torch.tensor([[10, 11]]))
+
+
+def test_generate_checks_each_length_sampler_draw_against_the_context(gpt2_path, tokenizer):
+    trainer = trainer_of(gpt2_path, tokenizer)
+    queries, _ = episodes(tokenizer, [120, 2], [1, 1])  # 120 + the default 20 new tokens would not fit
+    responses = trainer.generate(queries, return_prompt=False, length_sampler=lambda: 8)
+    assert all(1 <= response.numel() <= 8 for response in responses)
+    with pytest.raises(ValueError, match=r"`length_sampler\(\)` \(9\) exceed the model's context .* at most 8"):
+        trainer.generate(queries, return_prompt=False, length_sampler=lambda: 9)

@@ -71,7 +71,7 @@ def generate_responses(
     (after its query when `return_prompt`), sampled `batch_size` queries at a time. The request is checked first
     (`check_generation_request`); a `length_sampler`'s draw before the batch it is for."""
     context = context_length(models.wrapper.lm)
-    max_new_tokens = generation_kwargs.get("max_new_tokens", sampling.response_length)
+    max_new_tokens = None if length_sampler else generation_kwargs.get("max_new_tokens", sampling.response_length)
     check_generation_request(queries, batch_size, max_new_tokens, vocab_size, context, sampling.pad_token_id)
     collate = LeftPaddingCollator(sampling.pad_token_id)
     device = models.accelerator.device
@@ -238,13 +238,15 @@ def check_generation_request(
     queries: list[torch.Tensor], batch_size, max_new_tokens, vocab_size: int, context: int | None, pad_token_id
 ) -> None:
     """`generate()`'s request checked before any sampling: a positive `batch_size`, query ids the policy can read,
-    a positive `max_new_tokens` that fits the model's context after the longest query, and a pad token."""
+    a positive `max_new_tokens` that fits the model's context after the longest query (None: a `length_sampler`
+    draws it, and each draw is checked), and a pad token."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(
             f"`generate()`'s `batch_size` (queries sampled at a time) must be a positive integer, got {batch_size!r}."
         )
     check_token_ids(queries, vocab_size, "`generate()`'s `query_tensor`")
-    check_max_new_tokens(max_new_tokens, max(query.numel() for query in queries), context, "`max_new_tokens`")
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens, max(query.numel() for query in queries), context, "`max_new_tokens`")
     require_pad_token(pad_token_id, "`generate()` (it pads queries and responses)")
 
 

@@ -153,7 +153,8 @@ class PPOTrainer:
         queries = episodes.check_token_lists([query_tensor] if single else list(query_tensor), "query_tensor")
         generation_kwargs.setdefault("max_new_tokens", self.trainer.args.response_length)
         limits = (self.trainer.vocabulary_size, context_length(self.model), self.tokenizer.pad_token_id)
-        episodes.check_generation_request(queries, batch_size, generation_kwargs["max_new_tokens"], *limits)
+        max_new_tokens = None if length_sampler else generation_kwargs["max_new_tokens"]  # else checked per draw
+        episodes.check_generation_request(queries, batch_size, max_new_tokens, *limits)
         options = (length_sampler, batch_size, return_prompt, remove_padding, generation_kwargs)
         responses = self._sample(queries, False, *options)
         ref_responses = self._sample(queries, True, *options) if generate_ref_response else None
