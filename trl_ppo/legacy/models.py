@@ -108,11 +108,13 @@ class AutoModelForCausalLMWithValueHead(core.AutoModelForCausalLMWithValueHead):
             return ValueHeadOutputWithPast(logits, output.loss, output.value, output.past_key_values)
         return ValueHeadOutput(logits, output.loss, output.value)
 
-    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """trl 0.11's keys: the causal LM's own names (`transformer.wte.weight`, without `pretrained_model.`), the
         head's as `v_head.*` (and a reward adapter's head as `score.*`). `load_state_dict` takes these and
         `nn.Module`'s `pretrained_model.*` names alike. (Under PEFT trl 0.11 gave the head's weights alone; here
         the PEFT model's, adapters included, so that the dict loads back.)"""
+        if args:  # `nn.Module`'s old positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args) :])
         if destination is None:
             destination = OrderedDict()
             destination._metadata = OrderedDict()

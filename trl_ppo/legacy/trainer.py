@@ -112,8 +112,9 @@ class PPOTrainer:
 
     # --------------------------------------------------------------------------------------------- data
     def prepare_dataloader(self, dataset, data_collator=None) -> torch.utils.data.DataLoader:
-        """Batches of `config.batch_size` from `dataset`, shuffled, the last incomplete one dropped; a
-        `datasets.Dataset` loses the columns the model does not read (keeping `query`, `response`, `label`)."""
+        """Batches of `config.batch_size` from `dataset`, shuffled, the last incomplete one dropped (a dataset
+        shorter than one batch is refused); a `datasets.Dataset` loses the columns the model does not read (keeping
+        `query`, `response`, `label`)."""
         from datasets import Dataset
 
         if hasattr(dataset, "__len__") and len(dataset) < self.config.batch_size:
