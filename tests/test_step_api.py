@@ -118,3 +118,77 @@ def test_without_a_dataset_total_episodes_is_required_and_train_refuses(make_con
     trainer = build_trainer(make_config(total_episodes=8), tokenizer, load_models, reward=ones)
     with pytest.raises(ValueError, match=r"`train\(\)` samples from `train_dataset`"):
         trainer.train()
+
+
+def test_step_detaches_scores_that_carry_gradients(make_config, tokenizer, load_models):
+    """Scores from a trainable head: with two minibatches the second backward used to fail ("backward through the
+    graph a second time"), and the PPO loss's gradient reached the head."""
+    trainer = build_trainer(make_config(total_episodes=80, num_mini_batches=2), tokenizer, load_models, reward=ones)
+    queries, responses, _ = hand_made_episodes(tokenizer)
+    head = torch.nn.Linear(1, 1)
+    scores = [head(torch.tensor([float(q.numel())])).squeeze() for q in queries]
+    stats = trainer.step(queries, responses, scores)
+    assert trainer.state.global_step == 1 and stats["loss/policy_avg"] == stats["loss/policy_avg"]
+    assert head.weight.grad is None and head.bias.grad is None
+
+
+@pytest.mark.parametrize(
+    "query_change, options, message",
+    [
+        (None, dict(batch_size=-1), r"`batch_size` .* must be a positive integer, got -1"),
+        (None, dict(max_new_tokens=0), r"`max_new_tokens` must be a positive integer .* got 0"),
+        (None, dict(max_new_tokens=-1), r"`max_new_tokens` must be a positive integer .* got -1"),
+        (None, dict(max_new_tokens=10**6), r"`max_new_tokens` \(1000000\) exceed the model's context \(128 positions"),
+        (lambda q: q[:7] + [torch.tensor([5, 10**6])], {}, r"row 7 holds token id 1000000, outside the policy"),
+    ],
+)
+def test_generate_refuses_bad_requests_before_sampling(
+    query_change, options, message, make_config, tokenizer, load_models
+):
+    trainer = build_trainer(make_config(total_episodes=80), tokenizer, load_models, reward=ones)
+    queries, _, _ = hand_made_episodes(tokenizer)
+    queries = query_change(queries) if query_change else queries
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError, match=message):
+        trainer.generate(queries, return_prompt=False, **options)
+    assert torch.equal(rng, torch.get_rng_state())  # nothing was sampled
+
+
+def test_step_refuses_episodes_longer_than_the_context(make_config, tokenizer, load_models):
+    """GPT-NeoX (rotary positions) trained on such an episode without a word; GPT-2 failed with an index error."""
+    trainer = build_trainer(make_config(total_episodes=80), tokenizer, load_models, reward=ones)
+    queries, responses, scores = hand_made_episodes(tokenizer)
+    responses[3] = torch.randint(10, len(tokenizer), (129 - queries[3].numel(),))
+    before = policy_weights(trainer)
+    with pytest.raises(ValueError, match=r"episode 3 has \d+ query and \d+ response tokens, 129 in all, more than the "
+                       r"model's context \(128 positions\)"):
+        trainer.step(queries, responses, scores)
+    assert all(torch.equal(before[k], v) for k, v in policy_weights(trainer).items())
+    assert trainer.state.global_step == 0
+
+
+def test_step_refuses_all_zero_response_masks(make_config, tokenizer, load_models):
+    trainer = build_trainer(make_config(total_episodes=80), tokenizer, load_models, reward=ones)
+    queries, responses, scores = hand_made_episodes(tokenizer)
+    with pytest.raises(ValueError, match=r"`response_masks` are all zeros"):
+        trainer.step(queries, responses, scores, response_masks=[torch.zeros_like(r) for r in responses])
+    assert trainer.state.global_step == 0
+
+
+def test_a_step_api_trainer_takes_a_tokenizer_without_pad_until_it_pads(make_config, tokenizer, load_models):
+    """Without datasets nothing is padded at construction (trl 0.11's scripts set the pad token afterwards);
+    `generate()` and `step()` refuse until one is set. With a dataset it is still refused at once (test_errors)."""
+    import copy
+
+    no_pad = copy.deepcopy(tokenizer)
+    no_pad.pad_token = None
+    trainer = build_trainer(make_config(total_episodes=80), no_pad, load_models, reward=ones)
+    queries, responses, scores = hand_made_episodes(tokenizer)
+    with pytest.raises(ValueError, match=r"no pad token, which `generate\(\)` \(it pads queries and responses\) needs"):
+        trainer.generate(queries)
+    with pytest.raises(ValueError, match=r"no pad token, which `step\(\)` \(it pads queries and responses\) needs"):
+        trainer.step(queries, responses, scores)
+    assert trainer.state.global_step == 0
+    no_pad.pad_token = no_pad.eos_token
+    trainer.step(queries, trainer.generate(queries, return_prompt=False, max_new_tokens=3), scores)
+    assert trainer.state.global_step == 1

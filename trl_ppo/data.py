@@ -65,6 +65,17 @@ def render_messages(messages: list, tokenizer, name: str, index: int) -> str:
     return text
 
 
+def require_pad_token(pad_token_id: int | None, what: str) -> None:
+    """Refuse a missing pad token where `what` pads. A trainer given prompts needs it at construction; one built
+    for `step()` alone (as trl 0.11's was) only when `generate()` or `step()` pads."""
+    if pad_token_id is None:
+        raise ValueError(
+            f"The tokenizer has no pad token, which {what} needs. Add one, e.g. `tokenizer.pad_token = "
+            "tokenizer.eos_token` or `tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (resize the model's "
+            "embeddings if the new id is outside them)."
+        )
+
+
 class LeftPaddingCollator:
     """Stacks `input_ids` left-padded (so every prompt ends where the response begins) with an attention mask;
     the other columns pass through as lists."""
@@ -73,6 +84,7 @@ class LeftPaddingCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, rows: list[dict]) -> dict[str, Any]:
+        require_pad_token(self.pad_token_id, "this collator (made when the trainer was, without a pad token)")
         max_length = max(len(row["input_ids"]) for row in rows)
         input_ids = torch.full((len(rows), max_length), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), max_length), dtype=torch.long)

@@ -12,7 +12,7 @@ from torch import nn
 from . import checkpoint as ckpt
 from .config import OnPolicyConfig
 from .config_checks import validate_config
-from .data import check_datasets, prepare_prompts
+from .data import check_datasets, prepare_prompts, require_pad_token
 from .models import (
     check_vocabularies,
     context_length,
@@ -73,12 +73,6 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
             "`processing_class` (the policy's tokenizer) is None: the trainer needs it to tokenize prompts, pad them "
             "and decode responses. Pass `processing_class=AutoTokenizer.from_pretrained(path)`."
         )
-    if tokenizer.pad_token_id is None:
-        raise ValueError(
-            "The tokenizer has no pad token, which left-padding of prompts needs. Add one, e.g. "
-            "`tokenizer.add_special_tokens({'pad_token': '[PAD]'})` (resize the model's embeddings if the "
-            "new id is outside them) or `tokenizer.pad_token = tokenizer.eos_token`."
-        )
     if args.stop_token_id is not None and not 0 <= args.stop_token_id < len(tokenizer):
         raise ValueError(
             f"`stop_token_id` ({args.stop_token_id}) is outside the tokenizer's vocabulary (ids 0 to "
@@ -90,6 +84,8 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
 def prepare_data(args, tokenizer, train_dataset, eval_dataset, policy: nn.Module, rewards: list[Reward]) -> tuple:
     """Both prompt datasets with `input_ids`, cut to `max_prompt_length` and checked against the policy's context,
     the config and what the reward functions take -> (train_dataset, eval_dataset); each may be None."""
+    if train_dataset is not None or eval_dataset is not None:
+        require_pad_token(tokenizer.pad_token_id, "left-padding the prompts")
     context, vocab = context_length(policy), vocabulary_size(policy, tokenizer)
     train_dataset = prepare_prompts(train_dataset, tokenizer, args, context, "train_dataset", vocab)
     eval_dataset = prepare_prompts(eval_dataset, tokenizer, args, context, "eval_dataset", vocab)

@@ -14,6 +14,7 @@ episodes, per-token rewards, GAE, clipped multi-epoch minibatch updates, metrics
 from __future__ import annotations
 
 import contextlib
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +24,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from . import distributed as dist
 from . import ppo, prompt_checks
-from .data import LeftPaddingCollator, check_token_ids, prompts_on_device
-from .models import PolicyAndValueWrapper, PreparedModels, peft_reference
+from .data import LeftPaddingCollator, check_token_ids, prompts_on_device, require_pad_token
+from .models import PolicyAndValueWrapper, PreparedModels, context_length, peft_reference
 from .rewards import MAX_ABS_SCORE
 from .rollout import Rollout, Sampling, chunks, sample_rollout
 from .update import UpdateResult
@@ -65,9 +66,14 @@ def generate_responses(
     return_prompt: bool,
     length_sampler: Callable[[], int] | None,
     generation_kwargs: dict,
+    vocab_size: int,
 ) -> list[torch.Tensor]:
     """`PPOTrainer.generate` for a list of 1-D queries: each response cut after its stop token, without padding
-    (after its query when `return_prompt`), sampled `batch_size` queries at a time."""
+    (after its query when `return_prompt`), sampled `batch_size` queries at a time. The request is checked first
+    (`check_generation_request`); a `length_sampler`'s draw before the batch it is for."""
+    context = context_length(models.wrapper.lm)
+    max_new_tokens = None if length_sampler else generation_kwargs.get("max_new_tokens", sampling.response_length)
+    check_generation_request(queries, batch_size, max_new_tokens, vocab_size, context, sampling.pad_token_id)
     collate = LeftPaddingCollator(sampling.pad_token_id)
     device = models.accelerator.device
     if dist.deepspeed_zero_stage(models.accelerator) == 3:  # each sampling call is a collective there
@@ -84,6 +90,8 @@ def generate_responses(
         )
         if length_sampler is not None:
             generation_kwargs["max_new_tokens"] = int(length_sampler())
+            longest = max(query.numel() for query in queries[part])
+            check_max_new_tokens(generation_kwargs["max_new_tokens"], longest, context, "`length_sampler()`")
         rollout = sample_rollout(models, ids, mask, sampling, **generation_kwargs)
         for query, response, kept in zip(queries[part], rollout.responses, rollout.response_mask):
             response = response[kept]
@@ -147,15 +155,23 @@ def check_response_masks(response_masks, responses: list[torch.Tensor]) -> list[
                 f"({response.numel()} tokens), got shape {tuple(mask.shape)}."
             )
         checked.append(mask.bool())
+    if not any(bool(mask.any()) for mask in checked):
+        raise ValueError(
+            "`response_masks` are all zeros: no response token is left to train on (the update would be empty, "
+            "and its statistics undefined). Leave at least one token of one response unmasked, or skip this batch."
+        )
     return checked
 
 
-def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size: int, tokenizer):
+def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size: int, context: int | None, tokenizer):
     """`step()`'s inputs checked -> (queries, responses: lists of 1-D long tensors with ids below `vocab_size`,
-    queries without padding; scores: float32 `[B]`)."""
+    queries without padding, each episode within the model's `context`; scores: float32 `[B]`). `tokenizer`: the
+    policy's, whose pad token is needed."""
+    require_pad_token(tokenizer.pad_token_id, "`step()` (it pads queries and responses)")
     queries = check_token_lists(list(queries), "queries")
     responses = check_token_lists(list(responses), "responses")
     check_episode_token_ids(queries, responses, vocab_size)
+    check_episode_lengths(queries, responses, context)
     padded = [index for index, query in enumerate(queries) if prompt_checks.looks_padded(query.tolist(), tokenizer)]
     if padded:
         fix = "Give each query's own tokens (e.g. `tokenizer(text, return_tensors='pt').input_ids[0]`)."
@@ -177,6 +193,7 @@ def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size
 def episode_rows(batch: dict, rewards, columns_to_log, tokenizer) -> list[dict]:
     """`log_stats`' table: the batch's `columns_to_log` (texts, or token-id tensors that are decoded) and each
     episode's reward."""
+    check_rewards_match_batch(rewards, batch, columns_to_log)
     columns = {}
     for name in columns_to_log:
         if name not in batch:
@@ -191,10 +208,66 @@ def episode_rows(batch: dict, rewards, columns_to_log, tokenizer) -> list[dict]:
     return rows
 
 
+def check_rewards_match_batch(rewards, batch: dict, columns_to_log, batch_size: int | None = None) -> None:
+    """`log_stats`' `rewards`: one per episode, i.e. per row of each of the batch's logged columns (without any of
+    them, `batch_size`), so that a table row never shows another episode's reward."""
+    count = scores_tensor(rewards).numel()
+    lengths = {f"`batch[{name!r}]`": len(batch[name]) for name in columns_to_log if name in batch}
+    if not lengths and batch_size is not None:
+        lengths = {"`batch_size`": batch_size}
+    wrong = [f"{name} has {length}" for name, length in lengths.items() if length != count]
+    if wrong:
+        raise ValueError(f"`log_stats` got {count} rewards, but {', '.join(wrong)}: give one reward per episode.")
+
+
 def check_episode_token_ids(queries: list[torch.Tensor], responses: list[torch.Tensor], vocab_size: int) -> None:
     """Refuse a query or response token id that the policy cannot read (`data.check_token_ids`)."""
     check_token_ids(queries, vocab_size, "`step()`'s `queries`")
     check_token_ids(responses, vocab_size, "`step()`'s `responses`")
+
+
+def check_episode_lengths(queries: list[torch.Tensor], responses: list[torch.Tensor], context: int | None) -> None:
+    """Refuse an episode (query + response) longer than the model's `context` (its position embeddings): some
+    architectures fail with an index error, others (rotary) would train on positions they were never built for."""
+    if context is None:
+        return
+    for index, (query, response) in enumerate(zip(queries, responses)):
+        if query.numel() + response.numel() > context:
+            raise ValueError(
+                f"`step()`: episode {index} has {query.numel()} query and {response.numel()} response tokens, "
+                f"{query.numel() + response.numel()} in all, more than the model's context ({context} positions). "
+                "Cut its query, or sample shorter responses."
+            )
+
+
+def check_generation_request(
+    queries: list[torch.Tensor], batch_size, max_new_tokens, vocab_size: int, context: int | None, pad_token_id
+) -> None:
+    """`generate()`'s request checked before any sampling: a positive `batch_size`, query ids the policy can read,
+    a positive `max_new_tokens` that fits the model's context after the longest query (None: a `length_sampler`
+    draws it, and each draw is checked), and a pad token."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(
+            f"`generate()`'s `batch_size` (queries sampled at a time) must be a positive integer, got {batch_size!r}."
+        )
+    check_token_ids(queries, vocab_size, "`generate()`'s `query_tensor`")
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens, max(query.numel() for query in queries), context, "`max_new_tokens`")
+    require_pad_token(pad_token_id, "`generate()` (it pads queries and responses)")
+
+
+def check_max_new_tokens(max_new_tokens, longest_query: int, context: int | None, name: str) -> None:
+    """A response length (`name` says where it came from) must be a positive integer, and with the longest query
+    fit the model's `context`, as `train()` checks `response_length` against its prompts."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"`generate()`: {name} must be a positive integer (new tokens), got {max_new_tokens!r}.")
+    if context is not None and longest_query + max_new_tokens > context:
+        room = context - longest_query
+        advice = f"lower it to at most {room}" if room > 0 else "shorten the query: it fills the context alone"
+        raise ValueError(
+            f"`generate()`: the longest query ({longest_query} tokens) and {name} ({max_new_tokens}) exceed the "
+            f"model's context ({context} positions): {advice}."
+        )
 
 
 def check_token_lists(tensors: list, name: str) -> list[torch.Tensor]:
@@ -218,7 +291,8 @@ def scores_tensor(scores) -> torch.Tensor:
     if isinstance(scores, torch.Tensor):
         values = scores.detach().float().reshape(-1)
     else:
-        scores = [torch.as_tensor(score) for score in scores]
+        # Detached: a score computed by a trainable head must not carry the PPO loss's gradient back into it.
+        scores = [torch.as_tensor(score).detach() for score in scores]
         if any(score.numel() != 1 for score in scores):
             raise ValueError("Each score given to `step()` must be a single number.")
         values = torch.stack([score.reshape(()).float() for score in scores]) if scores else torch.zeros(0)

@@ -53,7 +53,8 @@ class PPOTrainer(OnPolicyTrainer):
 
     Args:
         args: a `PPOConfig`.
-        processing_class: the policy's tokenizer (its pad token is required; prompts are left-padded).
+        processing_class: the policy's tokenizer (prompts are left-padded: a pad token is needed, from the first
+            `generate()` / `step()` when the trainer has no datasets, else at once).
         model: the policy, a causal LM.
         ref_model: the reference policy; `None` makes a frozen copy of `model`, or with PEFT uses `model` with
             its adapter disabled (no second copy of the weights).
@@ -269,12 +270,10 @@ class PPOTrainer(OnPolicyTrainer):
         draws `max_new_tokens` for each batch. `reference=True` samples from the reference policy instead."""
         single = isinstance(query_tensor, torch.Tensor) and query_tensor.dim() == 1
         queries = episodes.check_token_lists([query_tensor] if single else list(query_tensor), "query_tensor")
-        batch_size = batch_size or self.args.local_rollout_forward_batch_size
-        sampling = self._sampling()
+        batch_size = self.args.local_rollout_forward_batch_size if batch_size is None else batch_size
+        options = (batch_size, return_prompt, length_sampler, generation_kwargs, self.vocabulary_size)
         with episodes.sampling_models(self._models(), reference, self.args) as models:
-            results = episodes.generate_responses(
-                queries, models, sampling, batch_size, return_prompt, length_sampler, generation_kwargs
-            )
+            results = episodes.generate_responses(queries, models, self._sampling(), *options)
         return results[0] if single else results
 
     def step(
@@ -288,8 +287,9 @@ class PPOTrainer(OnPolicyTrainer):
         episodes: `queries` and `responses` as 1-D token ids (the responses exactly as produced, a stop token
         included, no padding) and one score each (floats, 0-d tensors or a `[B]` tensor). `response_masks`: one
         1-D 0/1 tensor per response leaving tokens (e.g. tool output) out of training. -> the update's metrics."""
-        size = (self.args.local_batch_size, self.vocabulary_size, self.processing_class)
-        queries, responses, scores = episodes.check_episodes(queries, responses, scores, *size)
+        lm = self._models().wrapper.lm
+        limits = (self.args.local_batch_size, self.vocabulary_size, context_length(lm), self.processing_class)
+        queries, responses, scores = episodes.check_episodes(queries, responses, scores, *limits)
         response_masks = episodes.check_response_masks(response_masks, responses)
         return self.update_on_episodes(queries, responses, scores, response_masks).metrics
 

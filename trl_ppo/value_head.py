@@ -101,6 +101,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         `state_dict`, when given (e.g. consolidated by DeepSpeed), holds `pretrained_model.*` and `v_head.*`."""
         from safetensors.torch import save_file
 
+        check_save_directory(save_directory)
         lm_state = None if state_dict is None else sub_state_dict(state_dict, "pretrained_model.")
         head_state = self.v_head.state_dict() if state_dict is None else sub_state_dict(state_dict, "v_head.")
         self.pretrained_model.save_pretrained(save_directory, state_dict=lm_state, **kwargs)
@@ -208,6 +209,16 @@ def _head_weights(paths: list[str]) -> dict | None:
             weights = torch.load(path, map_location="cpu", weights_only=True)
             state.update({key: value for key, value in weights.items() if key.startswith("v_head.")})
     return state or None
+
+
+def check_save_directory(save_directory) -> None:
+    """`save_pretrained` writes a folder: refuse a path that is an existing file (`transformers` would only log
+    an error and save nothing)."""
+    if os.path.isfile(save_directory):
+        raise NotADirectoryError(
+            f"Cannot save into {os.fspath(save_directory)!r}: it is an existing file, and a model is saved as a "
+            "folder. Pass the path of a folder (it is created if it does not exist)."
+        )
 
 
 def sub_state_dict(state_dict: dict, prefix: str) -> dict:

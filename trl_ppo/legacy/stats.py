@@ -54,7 +54,7 @@ def step_stats(
     means = accelerator.reduce(torch.stack([local[name].float() for name in names]), reduction="mean").tolist()
     stats = dict(zip(names, means))
     stats["ppo/loss/total"] = stats["ppo/loss/policy"] + vf_coef * stats["ppo/loss/value"]
-    stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+    stats["ppo/val/var_explained"] = explained_variance(stats["ppo/val/error"], stats["ppo/returns/var"])
     stats.update(
         {
             "objective/kl": metrics["objective/kl"],
@@ -63,8 +63,8 @@ def step_stats(
             "objective/ref_logprobs": _array(rollout.ref_logprobs.masked_fill(~mask, 0.0)),
             "objective/kl_coef": metrics["objective/kl_coef"],
             "objective/entropy": metrics["objective/entropy"],
-            "ppo/policy/advantages": _array(torch.cat(outcome.result.token_stats["policy/advantages"])),
-            "ppo/policy/ratio": _array(torch.cat(outcome.result.token_stats["policy/ratio"])),
+            "ppo/policy/advantages": _array(_cat(outcome.result.token_stats["policy/advantages"])),
+            "ppo/policy/ratio": _array(_cat(outcome.result.token_stats["policy/ratio"])),
             "ppo/learning_rate": metrics["lr"],
         }
     )
@@ -74,6 +74,17 @@ def step_stats(
     timing["time/ppo/calc_stats"] = time.time() - begin
     timing["time/ppo/total"] = time.time() - started
     return {**stats, **timing}
+
+
+def explained_variance(error: float, returns_var: float) -> float:
+    """`1 - error / returns_var`; NaN where the returns have no variance (a single response token, or all returns
+    equal) and it is undefined. trl 0.11 gave NaN or -inf there from a tensor division; a Python one would raise
+    after the update was applied."""
+    return 1.0 - error / returns_var if returns_var > 0 else float("nan")
+
+
+def _cat(tensors: list) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(0)
 
 
 def _length_stats(name: str, tensors: list) -> dict:

@@ -20,15 +20,17 @@ from transformers.trainer_callback import PrinterCallback
 from .. import distributed as dist
 from .. import step_api as episodes
 from ..completions import log_table_to_wandb
+from ..models import context_length
 from ..trainer import PPOTrainer as CorePPOTrainer
-from ..value_head import is_value_head_model
+from ..value_head import check_save_directory, is_value_head_model
 from .config import PPOConfig, core_config
 from .models import create_reference_model
 from .stats import scalar_stats, step_stats
 
 
 class KLController:
-    """`ppo_trainer.kl_ctl`: its `value` is the run's current KL coefficient (read and set)."""
+    """`ppo_trainer.kl_ctl`: its `value` is the run's current KL coefficient (read and set; a value set before the
+    first `step()` is the one that step uses, as in trl 0.11)."""
 
     def __init__(self, trainer: CorePPOTrainer) -> None:
         self._trainer = trainer
@@ -110,10 +112,17 @@ class PPOTrainer:
 
     # --------------------------------------------------------------------------------------------- data
     def prepare_dataloader(self, dataset, data_collator=None) -> torch.utils.data.DataLoader:
-        """Batches of `config.batch_size` from `dataset`, shuffled, the last incomplete one dropped; a
-        `datasets.Dataset` loses the columns the model does not read (keeping `query`, `response`, `label`)."""
+        """Batches of `config.batch_size` from `dataset`, shuffled, the last incomplete one dropped (a dataset
+        shorter than one batch is refused); a `datasets.Dataset` loses the columns the model does not read (keeping
+        `query`, `response`, `label`)."""
         from datasets import Dataset
 
+        if hasattr(dataset, "__len__") and len(dataset) < self.config.batch_size:
+            raise ValueError(
+                f"`dataset` has {len(dataset)} rows, fewer than one batch (`batch_size` = {self.config.batch_size}): "
+                "the dataloader drops the last incomplete batch (as trl 0.11's did), so it would have no batch at "
+                "all. Add rows or lower `batch_size`."
+            )
         if isinstance(dataset, Dataset) and self.config.remove_unused_columns:
             kept = set(inspect.signature(self.model.forward).parameters) | {"label", "query", "response"}
             dataset = dataset.remove_columns([name for name in dataset.column_names if name not in kept])
@@ -144,6 +153,9 @@ class PPOTrainer:
             )
         queries = episodes.check_token_lists([query_tensor] if single else list(query_tensor), "query_tensor")
         generation_kwargs.setdefault("max_new_tokens", self.trainer.args.response_length)
+        limits = (self.trainer.vocabulary_size, context_length(self.model), self.tokenizer.pad_token_id)
+        max_new_tokens = None if length_sampler else generation_kwargs["max_new_tokens"]  # else checked per draw
+        episodes.check_generation_request(queries, batch_size, max_new_tokens, *limits)
         options = (length_sampler, batch_size, return_prompt, remove_padding, generation_kwargs)
         responses = self._sample(queries, False, *options)
         ref_responses = self._sample(queries, True, *options) if generate_ref_response else None
@@ -174,18 +186,22 @@ class PPOTrainer:
         -> trl 0.11's stats (`legacy.stats`)."""
         started = time.time()
         scores = check_step_inputs(self.config.batch_size, queries, responses, scores, response_masks)
+        episodes.require_pad_token(self.tokenizer.pad_token_id, "`step()` (it pads queries and responses)")
         queries = episodes.check_token_lists(queries, "queries")
         responses = episodes.check_token_lists(responses, "responses")
         episodes.check_episode_token_ids(queries, responses, self.trainer.vocabulary_size)
+        episodes.check_episode_lengths(queries, responses, context_length(self.model))
         response_masks = episodes.check_response_masks(response_masks, responses)
+        self._begin_run()
         outcome = self.trainer.update_on_episodes(queries, responses, scores, response_masks, detailed=True)
         return step_stats(outcome, queries, responses, self.config.vf_coef, self.accelerator, started)
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
         """Log `stats` (their scalars), `env/reward_mean` and `env/reward_std` to the trackers of `log_with`, and
         with wandb a `game_log` table of the batch's `columns_to_log` and each reward."""
-        rewards = self.accelerator.gather(episodes.scores_tensor(rewards).to(self.current_device)).cpu()
         columns_to_log = list(columns_to_log)
+        episodes.check_rewards_match_batch(rewards, batch, columns_to_log, self.config.batch_size)
+        rewards = self.accelerator.gather(episodes.scores_tensor(rewards).to(self.current_device)).cpu()
         if self.config.log_with == "wandb" and any(column not in batch for column in columns_to_log):
             raise ValueError(f"Columns to log {columns_to_log} are not present in the batch {list(batch)}.")
         if "query" not in batch and "response" not in batch:
@@ -204,6 +220,7 @@ class PPOTrainer:
     def save_pretrained(self, save_directory: str) -> None:
         """The policy with its value head (trl 0.11's format, see `AutoModelForCausalLMWithValueHead`) and the
         tokenizer. Under DeepSpeed the weights are gathered first (every process must call this)."""
+        check_save_directory(save_directory)
         state_dict = None
         if dist.deepspeed_zero_stage(self.accelerator) is not None:
             state_dict = self.accelerator.get_state_dict(self.trainer.model)
@@ -215,7 +232,16 @@ class PPOTrainer:
     def save_checkpoint(self) -> str:
         """Write `<config.output_dir>/checkpoint-<steps>`: the model and value head, optimizer, scheduler, KL
         coefficient, score statistics and RNG states -> its path. (trl 0.11 had no way to resume a run.)"""
+        self._begin_run()
         return self.trainer.save_checkpoint()
+
+    def _begin_run(self) -> None:
+        """Begin the core trainer's run before the first update or checkpoint, keeping the KL coefficient the script
+        may have set through `kl_ctl.value` (beginning a run starts from `init_kl_coef` otherwise)."""
+        if not self.trainer._training_active:
+            kl_coef = self.kl_ctl.value
+            self.trainer._begin_training(None)
+            self.kl_ctl.value = kl_coef
 
     def load_checkpoint(self, checkpoint: str | bool = True) -> int:
         """Continue from a `save_checkpoint()` folder (True: the newest in `config.output_dir`) -> the number of
