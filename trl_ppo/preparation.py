@@ -17,6 +17,7 @@ from .models import (
     vocabulary_size,
 )
 from .rewards import Reward, build_rewards, models_reading_policy_ids
+from .saving import check_writable
 
 
 def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> list[Reward]:
@@ -24,6 +25,7 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
     if not isinstance(args, OnPolicyConfig):
         raise TypeError(f"`args` must be a `PPOConfig`, got {type(args).__name__}.")
     validate_config(args)
+    check_writable(args.output_dir)  # before `Trainer` creates it, and not at the first checkpoint or the end
     if tokenizer is None:
         raise ValueError(
             "`processing_class` (the policy's tokenizer) is None: the trainer needs it to tokenize prompts, pad them "
