@@ -392,3 +392,12 @@ def test_fp16_on_a_cpu_says_it_has_no_effect(make_config, tokenizer, load_models
     assert "has no effect" not in caplog.text
     with trainer.accelerator.autocast():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16  # bf16 autocast applies on a CPU
+
+
+def test_num_train_epochs_and_logging_first_step_act(make_config, tokenizer, load_models, prompt_dataset):
+    """Issue 27.2's other `TrainingArguments` a user expects to act (the rest: tests of `eval_steps`,
+    `save_total_limit`, `data_seed` and `use_cpu` elsewhere). Without `logging_first_step` only [16] is logged."""
+    config = make_config(total_episodes=None, num_train_epochs=0.25, logging_steps=5, logging_first_step=True)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)  # 64 prompts, 8 a batch
+    assert trainer.train().global_step == 2
+    assert [entry["episode"] for entry in trainer.state.log_history if "loss/policy_avg" in entry] == [8, 16]

@@ -15,10 +15,12 @@ from ..value_head import VALUE_HEAD_FILE, is_value_head_model
 
 def nonfinite_tensor(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first floating-point tensor holding NaN or infinity, or None. Under ZeRO-3 a parameter is
-    an empty placeholder and this process's partition is its `ds_tensor`."""
+    an empty placeholder and this process's partition is its `ds_tensor`; offloaded (meta) tensors hold nothing."""
     for name, tensor in named_tensors:
         tensor = getattr(tensor, "ds_tensor", tensor)
-        if tensor.is_floating_point() and not torch.isfinite(tensor.detach()).all():
+        if tensor.device.type == "meta" or not tensor.is_floating_point():
+            continue
+        if not torch.isfinite(tensor.detach()).all():
             return name
     return None
 
