@@ -259,3 +259,145 @@ def test_values_a_user_may_mean_are_warned_about(make_config, tokenizer, load_mo
 def test_a_stop_token_outside_the_vocabulary_is_refused(make_config, tokenizer, load_models, prompt_dataset):
     with pytest.raises(ValueError, match=rf"`stop_token_id` \({len(tokenizer)}\) is outside the tokenizer's vocab"):
         build_trainer(make_config(stop_token_id=len(tokenizer)), tokenizer, load_models, prompt_dataset)
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        # Issue 28.1: each trained one update and saved a model of NaNs.
+        (dict(entropy_coef=INF), "entropy_coef"),
+        (dict(vf_coef=INF), "vf_coef"),
+        (dict(vf_coef=1e38), "vf_coef"),
+        (dict(kl_loss_coef=INF), "kl_loss_coef"),
+        (dict(max_grad_norm=NAN), "max_grad_norm"),
+        (dict(learning_rate=INF), "learning_rate"),
+        (dict(weight_decay=INF), "weight_decay"),
+        (dict(adam_epsilon=0.0), "adam_epsilon"),
+        # Issue 28.7: a generic FloatingPointError at the first update, or torch's "probability tensor" error.
+        (dict(missing_eos_penalty=NAN), "missing_eos_penalty"),
+        (dict(missing_eos_penalty=INF), "missing_eos_penalty"),
+        (dict(missing_eos_penalty=1e30), "missing_eos_penalty"),
+        (dict(reward_weights=[1.0, NAN]), r"reward_weights\[1\]"),
+        (dict(reward_weights=[INF]), r"reward_weights\[0\]"),
+        (dict(reward_weights=[1e30]), r"reward_weights\[0\]"),
+        (dict(kl_coef=NAN), "kl_coef"),
+        (dict(kl_coef=INF), "kl_coef"),
+        (dict(kl_coef=1e30), "kl_coef"),
+        (dict(kl_target=6.0, kl_horizon=INF), "kl_horizon"),
+        (dict(temperature=1e-45), "temperature"),
+        (dict(temperature=NAN), "temperature"),
+        # Issue 28.9: accepted silently.
+        (dict(max_grad_norm=-1.0), "max_grad_norm"),
+        (dict(temperature=INF), "temperature"),
+        (dict(temperature=-0.7), "temperature"),
+        (dict(kl_target=INF), "kl_target"),
+        # Issue 28.15: seeds numpy and torch cannot take.
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**32), "seed"),
+        (dict(data_seed=-5), "data_seed"),
+    ],
+)
+def test_nonfinite_and_absurd_numbers_are_refused_when_the_config_is_made(tmp_path, overrides, field):
+    with pytest.raises(ValueError, match=rf"^`{field}` must"):
+        PPOConfig(output_dir=str(tmp_path), **overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(kl_coef=None), r"`kl_coef` must be a float, got None: it has no 'off' value; its default is 0.05"),
+        (dict(learning_rate=None), r"`learning_rate` must be a float, got None"),
+        (dict(num_ppo_epochs=None), r"`num_ppo_epochs` must be an int, got None"),
+        (dict(reward_weights="1.0"), r"`reward_weights` must be a list of floats \(one per reward\) or None, got '1.0'"),
+        (dict(reward_weights=[1.0, "2"]), r"`reward_weights\[1\]` must be a float, got '2' \(str\)"),
+    ],
+)
+def test_none_or_a_string_where_a_number_belongs_names_the_field(tmp_path, overrides, message):
+    with pytest.raises(TypeError, match=message):
+        PPOConfig(output_dir=str(tmp_path), **overrides)
+
+
+def test_the_bounds_let_the_extremes_of_sane_values_through(tmp_path):
+    PPOConfig(
+        output_dir=str(tmp_path),
+        temperature=1e-4,
+        kl_coef=1e3,
+        vf_coef=1e3,
+        missing_eos_penalty=0.0,
+        reward_weights=[-1e3, 1e3],
+        learning_rate=1.0,
+        weight_decay=0.5,
+        seed=2**32 - 1,
+        max_grad_norm=0.0,
+    )
+
+
+def test_sampling_at_the_lowest_temperature_allowed_trains(make_config, tokenizer, load_models, prompt_dataset):
+    config = make_config(temperature=1e-4, total_episodes=8, num_ppo_epochs=1)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss/value_avg" in entry]
+    assert len(logged) == 1 and torch.isfinite(torch.tensor(logged[0]["loss/value_avg"]))
+
+
+def test_max_steps_is_the_number_of_updates_and_overrides_total_episodes(tmp_path, caplog):
+    """Issue 27.2: `trl-ppo --max_steps 3` ran the default job's 100 updates (total_episodes=3200, 32 a batch)."""
+    config = PPOConfig(
+        output_dir=str(tmp_path), max_steps=3, total_episodes=3200, per_device_train_batch_size=16,
+        gradient_accumulation_steps=2,
+    )
+    with caplog.at_level(logging.WARNING):
+        compute_batch_sizes(config, world_size=1, train_dataset_len=144)
+    assert (config.num_total_batches, config.total_episodes) == (3, 96)
+    assert "`max_steps` (3) overrides `total_episodes` (3200): 3 updates of `batch_size` (32) episodes" in caplog.text
+    unset = PPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4)
+    compute_batch_sizes(unset, world_size=2, train_dataset_len=1000)
+    assert (unset.num_total_batches, unset.total_episodes) == (2, 16)
+    assert "max_steps" in {f.name for f in dataclasses.fields(PPOConfig)}
+
+
+def test_max_steps_bounds_a_training_run(make_config, tokenizer, load_models, prompt_dataset):
+    trainer = build_trainer(make_config(total_episodes=64, max_steps=1), tokenizer, load_models, prompt_dataset)
+    assert trainer.train().global_step == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"), "load_best_model_at_end"),
+        (dict(auto_find_batch_size=True), "auto_find_batch_size"),
+        (dict(neftune_noise_alpha=5.0), "neftune_noise_alpha"),
+        (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
+        (dict(torch_empty_cache_steps=10), "torch_empty_cache_steps"),
+    ],
+)
+def test_trainer_features_the_ppo_loop_does_not_run_are_refused(tmp_path, overrides, field):
+    with pytest.raises(ValueError, match=rf"`{field}=.*` is a feature of `Trainer.train\(\)` that `PPOTrainer` does"):
+        validate_config(PPOConfig(output_dir=str(tmp_path), **overrides))
+
+
+def test_fp16_on_a_cpu_says_it_has_no_effect(make_config, tokenizer, load_models, prompt_dataset, caplog):
+    """Issue 27.3: fp16 on a CPU trained in float32 without a word (accelerate has no fp16 autocast there)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU fp16 applies")
+    with caplog.at_level(logging.WARNING):
+        trainer = build_trainer(make_config(fp16=True), tokenizer, load_models, prompt_dataset)
+    assert "`fp16=True` has no effect on cpu" in caplog.text and "computes in float32" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        trainer = build_trainer(make_config(bf16=True, use_cpu=True), tokenizer, load_models, prompt_dataset)
+    assert "has no effect" not in caplog.text
+    with trainer.accelerator.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16  # bf16 autocast applies on a CPU
+
+
+def test_num_train_epochs_and_logging_first_step_act(make_config, tokenizer, load_models, prompt_dataset):
+    """Issue 27.2's other `TrainingArguments` a user expects to act (the rest: tests of `eval_steps`,
+    `save_total_limit`, `data_seed` and `use_cpu` elsewhere). Without `logging_first_step` only [16] is logged."""
+    config = make_config(total_episodes=None, num_train_epochs=0.25, logging_steps=5, logging_first_step=True)
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)  # 64 prompts, 8 a batch
+    assert trainer.train().global_step == 2
+    assert [entry["episode"] for entry in trainer.state.log_history if "loss/policy_avg" in entry] == [8, 16]

@@ -2,6 +2,7 @@
 only show during training name the reward or the update."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -252,3 +253,87 @@ def test_a_dataset_given_as_a_list_or_dict_says_how_to_wrap_it(make_config, toke
 def test_no_tokenizer_is_named_as_such(make_config, load_models, prompt_dataset):
     with pytest.raises(ValueError, match=r"`processing_class` \(the policy's tokenizer\) is None"):
         build(make_config, None, load_models, prompt_dataset)
+
+
+def _poison_a_weight(trainer):
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    with torch.no_grad():
+        policy.gpt_neox.embed_in.weight[3, 0] = float("nan")
+
+
+# Issue 28.1: `learning_rate=inf`, `weight_decay=inf`, `adam_epsilon=0` trained one update of NaN weights that
+# `save_model()` wrote. The config refuses them now; set on the optimizer, `save_model()` must still refuse.
+@pytest.mark.parametrize("setting, value", [("lr", float("inf")), ("weight_decay", float("inf")), ("eps", 0.0)])
+def test_save_model_refuses_nonfinite_weights_naming_the_tensor(
+    setting, value, make_config, tokenizer, load_models, prompt_dataset, tmp_path
+):
+    config = make_config(total_episodes=8, num_ppo_epochs=1)
+    trainer = build(make_config, tokenizer, load_models, prompt_dataset, config)
+    for group in trainer.optimizer.param_groups:
+        group[setting] = value
+    trainer.train()  # one update, one step: its loss was finite
+    destination = tmp_path / "model"
+    with pytest.raises(FloatingPointError, match=rf"^Not saving the model to {destination}: the weight `policy\..*` "):
+        trainer.save_model(str(destination))
+    assert not destination.exists()
+
+
+def test_a_checkpoint_of_nonfinite_weights_is_not_written(make_config, tokenizer, load_models, prompt_dataset):
+    from transformers import TrainerCallback
+
+    config = make_config(total_episodes=16, save_strategy="steps", save_steps=1)
+    trainer = build(make_config, tokenizer, load_models, prompt_dataset, config)
+
+    class PoisonAtUpdate2(TrainerCallback):  # before the checkpoint of update 2 is written
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                _poison_a_weight(trainer)
+
+    trainer.add_callback(PoisonAtUpdate2())
+    output = trainer.args.output_dir
+    message = r"^Not writing checkpoint-2: the weight `policy.gpt_neox.embed_in.weight` holds NaN or infinity"
+    with pytest.raises(FloatingPointError, match=rf"{message}.*newest: .*checkpoint-1"):
+        trainer.train()
+    assert sorted(os.listdir(output)) == ["checkpoint-1"]  # nothing of checkpoint-2, not even its staging folder
+
+
+def test_legacy_save_pretrained_refuses_nonfinite_weights(model_paths, tokenizer, tmp_path):
+    from trl_ppo.legacy import AutoModelForCausalLMWithValueHead, PPOConfig
+    from trl_ppo.legacy import PPOTrainer as LegacyTrainer
+
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(model_paths["gpt_neox"][0])
+    trainer = LegacyTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, None, tokenizer)
+    with torch.no_grad():
+        model.v_head.summary.weight[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"the weight `v_head.summary.weight` holds NaN or infinity"):
+        trainer.save_pretrained(str(tmp_path / "legacy"))
+    assert not (tmp_path / "legacy").exists()
+
+
+# Issue 28.8: a non-writable `output_dir` failed after the first checkpoint interval, or after the whole run (and
+# under a file, with a bare `NotADirectoryError` from `Trainer`, which creates the folder).
+@pytest.mark.parametrize("save_strategy", ["steps", "no"])
+def test_an_output_dir_that_cannot_be_written_is_refused_when_the_trainer_is_built(
+    save_strategy, make_config, tokenizer, load_models, prompt_dataset, tmp_path
+):
+    (tmp_path / "a_file").write_text("not a folder")
+    output_dir = str(tmp_path / "a_file" / "run")
+    config = make_config(output_dir=output_dir, save_strategy=save_strategy, save_steps=1)
+    with pytest.raises(ValueError, match=rf"^`output_dir` \({output_dir}\) cannot be written: .*a_file is a file"):
+        build(make_config, tokenizer, load_models, prompt_dataset, config)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write in any folder")
+def test_an_output_dir_in_a_read_only_folder_is_refused(tmp_path):
+    from trl_ppo.saving import check_writable
+
+    (tmp_path / "read_only").mkdir(mode=0o555)
+    with pytest.raises(ValueError, match="may not write in"):
+        check_writable(str(tmp_path / "read_only" / "run"))
+
+
+def test_checking_an_output_dir_creates_no_folder(tmp_path):
+    from trl_ppo.saving import check_writable
+
+    check_writable(str(tmp_path / "new" / "run"))
+    assert not (tmp_path / "new").exists()

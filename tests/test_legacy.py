@@ -306,6 +306,29 @@ def test_config_batch_size_must_be_a_multiple_of_the_backward_batch_size():
     assert config.total_ppo_epochs == math.ceil(20000 / 8)
 
 
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        # Issue 28.15: strings and None gave unclear errors, or none (the type check of `trl_ppo.PPOConfig`).
+        (dict(learning_rate="1e-5"), TypeError, r"^`learning_rate` must be a float, got '1e-5' \(str\)"),
+        (dict(init_kl_coef=None), TypeError, r"^`init_kl_coef` must be a float, got None"),
+        (dict(seed=-1), ValueError, r"^`seed` must be in \[0, 2\*\*32 - 1\]"),
+        # Issue 28.9: a negative `max_grad_norm` reversed every update.
+        (dict(max_grad_norm=-1.0), ValueError, r"^`max_grad_norm` must be >= 0, got -1.0"),
+        # Issue 28.1 / 28.7 in trl 0.11's names: NaN models, or a KL controller that never moves.
+        (dict(vf_coef=float("inf")), ValueError, r"^`vf_coef` must be a finite number"),
+        (dict(vf_coef=1e38), ValueError, r"^`vf_coef` must be at most 1000"),
+        (dict(learning_rate=float("inf")), ValueError, r"^`learning_rate` must be a finite number"),
+        (dict(init_kl_coef=float("nan")), ValueError, r"^`init_kl_coef` must be a finite number"),
+        (dict(target=float("inf")), ValueError, r"^`target` must be a finite number"),
+        (dict(horizon=float("inf")), ValueError, r"^`horizon` must be a finite number"),
+    ],
+)
+def test_config_refuses_what_the_core_config_refuses_naming_trl_0_11s_field(overrides, error, message):
+    with pytest.raises(error, match=message):
+        PPOConfig(**overrides)
+
+
 def test_config_forward_batch_size_is_deprecated_and_overrides_mini_batch_size():
     with pytest.warns(Warning, match="forward_batch_size"):
         config = PPOConfig(batch_size=8, forward_batch_size=2)

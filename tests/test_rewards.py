@@ -244,7 +244,7 @@ def test_fixed_kl_coef_without_a_target(make_config, tokenizer, load_models, pro
     [
         (dict(kl_target=0.0), r"`kl_target` must be > 0"),
         (dict(kl_target=6.0, kl_coef=0.0), r"multiplies `kl_coef`, so it must be > 0"),
-        (dict(kl_horizon=0), r"`kl_horizon` must be at least 1"),
+        (dict(kl_horizon=0), r"`kl_horizon` must be >= 1"),
     ],
 )
 def test_bad_adaptive_kl_settings(overrides, message, make_config, tokenizer, load_models, prompt_dataset):

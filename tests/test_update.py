@@ -113,3 +113,66 @@ def test_a_skipped_update_still_steps_the_schedule(make_config, tokenizer, load_
     logs = [entry for entry in trainer.state.log_history if "lr" in entry]
     assert [entry["loss/skipped_updates"] for entry in logs] == [1, 2, 3]
     assert [entry["lr"] for entry in logs] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])
+
+
+def test_a_nonfinite_total_loss_is_nonfinite_even_when_the_policy_and_value_losses_are_finite():
+    from trl_ppo.update import TOTAL_LOSS
+
+    finite_parts = stats()
+    finite_parts[TOTAL_LOSS] = [torch.tensor(0.3), torch.tensor(float("inf"))]  # e.g. entropy_coef * entropy
+    assert judge_minibatch(finite_parts, OneProcess(), settings(), 1) is Verdict.NONFINITE
+
+
+def _weights(trainer):
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+# Issue 28.1: with these values one update trained a model of NaNs that `train()` and `save_model()` accepted. The
+# config refuses them now; set after the trainer is built, the update's guards must still stop them.
+@pytest.mark.parametrize(
+    "field, value, what",
+    [
+        ("entropy_coef", float("inf"), "PPO loss"),
+        ("vf_coef", float("inf"), "PPO loss"),
+        ("kl_loss_coef", float("inf"), "PPO loss"),
+        ("vf_coef", 1e38, "gradient norm"),  # a finite loss, an infinite gradient
+    ],
+)
+def test_a_nonfinite_total_loss_stops_the_update_before_any_step(
+    field, value, what, make_config, tokenizer, load_models, prompt_dataset, tmp_path
+):
+    trainer = build_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
+    setattr(trainer.args, field, value)
+    before = _weights(trainer)
+    with pytest.raises(FloatingPointError, match=rf"^Non-finite {what} at update 1; no optimizer step was taken"):
+        trainer.train()
+    after = _weights(trainer)
+    assert all(torch.equal(before[name], after[name]) for name in before), "the weights changed"
+
+
+def test_a_nonfinite_gradient_norm_stops_the_update_or_is_skipped(make_config, tokenizer, load_models, prompt_dataset):
+    """The losses are finite, one gradient is not: no step, and with `skip_nonfinite_updates` the run goes on."""
+    for skip in (False, True):
+        config = make_config(total_episodes=8, skip_nonfinite_updates=skip)
+        trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
+        head = trainer.accelerator.unwrap_model(trainer.model).value_model.score.weight
+        head.register_hook(lambda grad: grad * float("nan"))
+        before = _weights(trainer)
+        if skip:
+            trainer.train()
+            assert [e["loss/skipped_updates"] for e in trainer.state.log_history if "episode" in e] == [1]
+        else:
+            with pytest.raises(FloatingPointError, match=r"^Non-finite gradient norm at update 1; no optimizer step"):
+                trainer.train()
+        after = _weights(trainer)
+        assert all(torch.equal(before[name], after[name]) for name in before), "the weights changed"
+
+
+def test_a_nan_max_grad_norm_set_after_the_config_was_checked_clips_nothing(
+    make_config, tokenizer, load_models, prompt_dataset
+):
+    trainer = build_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
+    trainer.args.max_grad_norm = float("nan")  # clipping to NaN made every weight NaN
+    trainer.train()
+    assert all(torch.isfinite(tensor).all() for tensor in _weights(trainer).values())

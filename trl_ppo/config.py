@@ -8,13 +8,12 @@ fields' values are checked by `config_checks.validate_config`.
 
 from __future__ import annotations
 
-import functools
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
 from transformers import TrainingArguments
+
+from .config_fields import check_fields, check_interval_steps
 
 
 @dataclass
@@ -41,7 +40,14 @@ class OnPolicyConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Total number of episodes (prompt, response) to train on. Defaults to "
-            "`num_train_epochs * len(train_dataset)`."
+            "`num_train_epochs * len(train_dataset)`; `max_steps` overrides it."
+        },
+    )
+    max_steps: int = field(
+        default=-1,
+        metadata={
+            "help": "If > 0: the number of PPO updates to run, each on `batch_size` episodes; overrides "
+            "`total_episodes` (as in `transformers` it overrides `num_train_epochs`)."
         },
     )
     local_rollout_forward_batch_size: int = field(
@@ -160,7 +166,7 @@ class OnPolicyConfig(TrainingArguments):
     push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the model to the Hub after training."})
 
     def __post_init__(self):
-        check_field_types(self)
+        check_fields(self)  # types, finite numbers, bounds: before anything reads them
         check_interval_steps(self)  # before `TrainingArguments` reads an eval_steps of 0 as "unset"
         # `--report_to wandb,tensorboard` (and a YAML list, passed that way) for several trackers at once.
         if isinstance(self.report_to, str) and "," in self.report_to:
@@ -346,50 +352,3 @@ class PPOConfig(OnPolicyConfig):
         default=False,
         metadata={"help": "Also write the value model to `<output_dir>/value_model` in `save_model()`."},
     )
-
-
-SIMPLE_TYPES = (bool, int, float, str)
-
-
-@functools.cache
-def simple_field_types(config_class: type) -> dict[str, tuple[type, bool]]:
-    """{field: (its type, whether None is allowed)} for the fields of `config_class` typed `bool`, `int`, `float`
-    or `str` (or one of them `| None`)."""
-    simple = {}
-    for name, hint in typing.get_type_hints(config_class).items():
-        members = set(typing.get_args(hint)) if typing.get_origin(hint) in (typing.Union, types.UnionType) else {hint}
-        kinds = members - {type(None)}
-        if len(kinds) == 1 and next(iter(kinds)) in SIMPLE_TYPES:
-            simple[name] = (next(iter(kinds)), type(None) in members)
-    return simple
-
-
-def check_field_types(config) -> None:
-    """Refuse a value of the wrong type (`response_length="12"`, `seed="abc"`) naming the field, before any
-    other check reads it: the command line converts types, Python callers and hand-made dicts may not."""
-    for name, (kind, optional) in simple_field_types(type(config)).items():
-        value = getattr(config, name, None)
-        if value is None:  # allowed, or the field's own default
-            continue
-        if kind is bool:
-            fits = isinstance(value, bool)
-        else:  # an int is a float too; a bool is neither
-            fits = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
-        if not fits:
-            article = "an" if kind is int else "a"
-            raise TypeError(
-                f"`{name}` must be {article} {kind.__name__}{' or None' if optional else ''}, got {value!r} "
-                f"({type(value).__name__})."
-            )
-
-
-def check_interval_steps(config) -> None:
-    """Refuse `save_steps`, `eval_steps` or `logging_steps` of 0 (or less) where their strategy is "steps"."""
-    for strategy, steps in (
-        ("save_strategy", "save_steps"),
-        ("eval_strategy", "eval_steps"),
-        ("logging_strategy", "logging_steps"),
-    ):
-        value = getattr(config, steps)
-        if getattr(config, strategy) == "steps" and value is not None and not value > 0:
-            raise ValueError(f"`{steps}` must be > 0 with `{strategy}='steps'`, got {value}.")

@@ -8,6 +8,7 @@ import math
 from transformers.utils import logging
 
 from .config import OnPolicyConfig, PPOConfig
+from .config_fields import check_fields
 from .kl import KL_ESTIMATORS
 from .losses import LOSS_AGG_MODES
 
@@ -24,12 +25,20 @@ def _exact_div(numerator: int, denominator: int, what: str, numerator_name: str,
 
 def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len: int) -> None:
     """Fill the derived batch sizes of `args` in place, raising a clear error when a division is inexact."""
-    if args.total_episodes is None:
-        args.total_episodes = int(args.num_train_epochs * train_dataset_len)
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.micro_batch_size = args.per_device_train_batch_size * world_size
     args.batch_size = args.local_batch_size * world_size
+    if args.max_steps > 0:  # as in `transformers`, where it overrides `num_train_epochs`
+        episodes = args.max_steps * args.batch_size
+        if args.total_episodes is not None and args.total_episodes != episodes:
+            logger.warning(
+                f"`max_steps` ({args.max_steps}) overrides `total_episodes` ({args.total_episodes}): {args.max_steps} "
+                f"updates of `batch_size` ({args.batch_size}) episodes, {episodes} episodes in all."
+            )
+        args.total_episodes = episodes
+    elif args.total_episodes is None:
+        args.total_episodes = int(args.num_train_epochs * train_dataset_len)
     args.mini_batch_size = _exact_div(
         args.batch_size,
         args.num_mini_batches,
@@ -106,17 +115,13 @@ def fail(message: str) -> None:
 
 def validate_config(args: OnPolicyConfig) -> None:
     """Reject values that cannot work, before any model is touched. Each error names the argument and the fix."""
+    check_fields(args)  # again: a field may have been changed since the config was made
     if args.response_length < 1:
         fail(f"`response_length` must be at least 1, got {args.response_length}.")
-    if not args.temperature > 0:
-        fail(f"`temperature` must be > 0 (sampling divides logits by it), got {args.temperature}.")
     if args.stop_token not in (None, "eos"):
         fail(f"Unknown `stop_token` {args.stop_token!r}: use 'eos', or `stop_token_id` for another token.")
     if args.stop_token is not None and args.stop_token_id is not None:
         fail(f"`stop_token` ({args.stop_token!r}) and `stop_token_id` ({args.stop_token_id}) are both set: keep one.")
-    if args.missing_eos_penalty is not None:
-        if args.missing_eos_penalty < 0:
-            fail(f"`missing_eos_penalty` is subtracted, so it must be >= 0; got {args.missing_eos_penalty}.")
     if args.generation_backend not in ("auto", "kv_cache", "compiled", "compiled_loop", "generate"):
         fail(
             f"Unknown `generation_backend` {args.generation_backend!r}: use 'auto', 'kv_cache', 'compiled', "
@@ -140,8 +145,34 @@ def validate_config(args: OnPolicyConfig) -> None:
         fail(f"`max_prompt_length` must be at least 1 (or None: no cut), got {args.max_prompt_length}.")
     if args.learning_rate == 0:
         logger.warning("`learning_rate` is 0: the policy and value function will not change.")
+    check_trainer_features(args)
     if isinstance(args, PPOConfig):
         _validate_ppo_config(args)
+
+
+# `TrainingArguments` fields for features of `Trainer.train()` that PPO's own loop does not run: (field, its value
+# that means "off", what to do instead). Absent fields (older transformers) are skipped.
+UNSUPPORTED_TRAINER_FEATURES = (
+    (
+        "load_best_model_at_end",
+        False,
+        "checkpoints are not ranked by a metric; pick one by `eval_objective/scores` in the log instead",
+    ),
+    ("auto_find_batch_size", False, "set `per_device_train_batch_size` (and `train_forward_batch_size`) yourself"),
+    ("neftune_noise_alpha", None, "PPO samples its own responses; NEFTune noise is for supervised fine-tuning"),
+    ("label_smoothing_factor", 0.0, "PPO has no labels to smooth"),
+    ("train_sampling_strategy", "random", "prompts are drawn in a seeded random order (`data_seed`)"),
+    ("group_by_length", False, "prompts are drawn in a seeded random order (`data_seed`)"),
+    ("torch_empty_cache_steps", None, "call `torch.cuda.empty_cache()` from a callback's `on_step_end` instead"),
+)
+
+
+def check_trainer_features(args) -> None:
+    """Refuse a `TrainingArguments` feature that `Trainer.train()` has and PPO's loop would silently ignore."""
+    for name, off, instead in UNSUPPORTED_TRAINER_FEATURES:
+        value = getattr(args, name, off)
+        if value != off:
+            fail(f"`{name}={value!r}` is a feature of `Trainer.train()` that `PPOTrainer` does not have: {instead}.")
 
 
 def _validate_ppo_config(args: PPOConfig) -> None:
@@ -150,10 +181,9 @@ def _validate_ppo_config(args: PPOConfig) -> None:
         fail(f"Unknown `kl_estimator` {args.kl_estimator!r}: use 'k1', 'k2' or 'k3'.")
     if args.num_ppo_epochs < 1:
         fail(f"`num_ppo_epochs` must be at least 1, got {args.num_ppo_epochs}.")
-    for name, bound in (("kl_coef", ">= 0"), ("vf_coef", ">= 0"), ("cliprange", "> 0"), ("cliprange_value", "> 0")):
-        value = getattr(args, name)
-        if not (value >= 0 if bound == ">= 0" else value > 0):
-            fail(f"`{name}` must be {bound}, got {value}.")
+    for name in ("cliprange", "cliprange_value"):
+        if not getattr(args, name) > 0:
+            fail(f"`{name}` must be > 0, got {getattr(args, name)}.")
     if args.kl_target is not None:
         if not args.kl_target > 0:
             fail(f"`kl_target` must be > 0 (or None to keep `kl_coef` fixed), got {args.kl_target}.")
@@ -177,8 +207,6 @@ def _validate_ppo_config(args: PPOConfig) -> None:
             f"`ratio_threshold` must be > 1 (the mean ratio is about 1 in a healthy minibatch), got "
             f"{args.ratio_threshold}."
         )
-    if args.kl_horizon < 1:
-        fail(f"`kl_horizon` must be at least 1, got {args.kl_horizon}.")
     for name in ("gamma", "lam"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")
@@ -202,9 +230,6 @@ def _validate_large_scale_options(args: PPOConfig) -> None:
             f"`dual_clip` must be > 1 (it bounds the loss of a negative-advantage token at -A * dual_clip, a ratio "
             f"of dual_clip), got {args.dual_clip}."
         )
-    for name in ("entropy_coef", "kl_loss_coef"):
-        if not getattr(args, name) >= 0:
-            fail(f"`{name}` must be >= 0 (0: off), got {getattr(args, name)}.")
     if args.critic_warmup_steps < 0:
         fail(f"`critic_warmup_steps` must be >= 0 (0: off), got {args.critic_warmup_steps}.")
     if args.lam_value is not None and not 0.0 <= args.lam_value <= 1.0:

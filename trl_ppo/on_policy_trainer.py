@@ -63,6 +63,13 @@ class OnPolicyTrainer(Trainer):
         # The update scales its losses itself (`update.backward_scale`); some transformers versions (5.5.0, for
         # one) build the Accelerator with `gradient_accumulation_steps`, whose `backward` would divide again.
         self.accelerator.gradient_accumulation_steps = 1
+        # accelerate has no fp16 autocast on a CPU (DeepSpeed casts the model itself)
+        if (args.fp16 or args.bf16) and not (self.accelerator.native_amp or self.is_deepspeed_enabled):
+            logger.warning(
+                f"`{'fp16' if args.fp16 else 'bf16'}=True` has no effect on {self.accelerator.device}: accelerate "
+                "enables no autocast there, so this run computes in float32. On a CPU, use `bf16=True` with "
+                "`use_cpu=True` for bfloat16 autocast, or leave the precision flags off."
+            )
         compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset or ()))
         data.check_one_batch(train_dataset, args.batch_size)
         self.state = self._new_trainer_state()

@@ -59,6 +59,7 @@ def _instead(name: str, accepted: list[str]) -> str:
     close = difflib.get_close_matches(name, accepted, n=1)
     hint = f"did you mean `{close[0]}=`?" if close else f"it takes {', '.join(accepted)}."
     return f"there is no argument `{name}=`: {hint}"
+from .saving import check_writable
 
 
 def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> list[Reward]:
@@ -68,6 +69,7 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
         legacy = " (for trl 0.11's config, use `trl_ppo.legacy.PPOTrainer`)" if "legacy" in kind else ""
         raise TypeError(f"`args` must be a `trl_ppo.PPOConfig`, got {kind}{legacy}.")
     validate_config(args)
+    check_writable(args.output_dir)  # before `Trainer` creates it, and not at the first checkpoint or the end
     if tokenizer is None:
         raise ValueError(
             "`processing_class` (the policy's tokenizer) is None: the trainer needs it to tokenize prompts, pad them "

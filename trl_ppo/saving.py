@@ -9,6 +9,7 @@ import os
 import torch
 from transformers.utils import logging
 
+from .checkpoint.weights import named_weights, nonfinite_tensor
 from .models import PreparedModels
 from .reporting import PLOT_FILE, model_card, plot_curves
 from .value_head import sub_state_dict
@@ -40,6 +41,7 @@ def save_policy(models: PreparedModels, tokenizer, args, output_dir: str, state_
     """The policy (or its PEFT adapter; a value head beside it), its tokenizer and the config, in the Hugging Face
     format. `state_dict`, when given (e.g. consolidated by DeepSpeed), is the wrapper's (`policy.` / `value_model.`
     keys)."""
+    check_finite_weights(state_dict.items() if state_dict is not None else named_weights(models.wrapper), output_dir)
     if state_dict is not None:
         state_dict = sub_state_dict(state_dict, "policy.")
     os.makedirs(output_dir, exist_ok=True)
@@ -47,6 +49,35 @@ def save_policy(models: PreparedModels, tokenizer, args, output_dir: str, state_
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
     torch.save(args, os.path.join(output_dir, "training_args.bin"))
+
+
+def check_writable(output_dir: str) -> None:
+    """Refuse an `output_dir` that cannot be written, before any compute: it, or else the nearest folder above it
+    that exists, must be a folder this process may write in. Nothing is created."""
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        problem = f"{existing} is a file, not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"this process may not write in {existing}"
+    else:
+        return
+    raise ValueError(
+        f"`output_dir` ({output_dir}) cannot be written: {problem}. The run's checkpoints, its log and "
+        "`save_model()` write there: choose a folder you can write to."
+    )
+
+
+def check_finite_weights(weights, output_dir: str) -> None:
+    """Refuse to save a model whose named `weights` hold NaN or infinity, naming the first, before any write."""
+    name = nonfinite_tensor(weights)
+    if name is not None:
+        raise FloatingPointError(
+            f"Not saving the model to {output_dir}: the weight `{name}` holds NaN or infinity (training diverged). "
+            "Nothing was written. Train again from a checkpoint with a lower `learning_rate`, or check the reward "
+            "scale and the loss coefficients."
+        )
 
 
 def save_value_model(models: PreparedModels, output_dir: str, should_save: bool) -> None:

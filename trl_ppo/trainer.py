@@ -228,18 +228,18 @@ class PPOTrainer(OnPolicyTrainer):
         self, rollout: Rollout, advantages: ppo.Advantages, detailed: bool = False
     ) -> ppo_epochs.UpdateResult:
         """`num_ppo_epochs` over the rollout in minibatches (`update.ppo_update`) -> its result: per-micro-batch
-        stats `[n]` (and with `detailed`, those of TRL's first PPOTrainer). A non-finite loss stops the run, or with
-        `skip_nonfinite_updates` ends the update and is counted (the learning-rate schedule still steps: it
-        follows the update count)."""
+        stats `[n]` (and with `detailed`, those of TRL's first PPOTrainer). A non-finite loss or gradient norm stops
+        the run, or with `skip_nonfinite_updates` ends the update and is counted (the learning-rate schedule still
+        steps: it follows the update count)."""
         update, models = self.state.global_step + 1, self._models()
         result = ppo_epochs.ppo_update(rollout, advantages, models, self.optimizer, self.args, update, detailed)
         if result.nonfinite and not self.args.skip_nonfinite_updates:
             last = ckpt.latest_checkpoint(self.args.output_dir)
-            raise ppo_epochs.nonfinite_error(update, self.is_deepspeed_enabled, last)
+            raise ppo_epochs.nonfinite_error(update, self.is_deepspeed_enabled, last, result.nonfinite)
         if result.nonfinite:
             self.run.skipped_updates += 1
             logger.warning(
-                f"Non-finite PPO loss at update {update}: the rest of this update is skipped "
+                f"Non-finite {result.nonfinite} at update {update}: the rest of this update is skipped "
                 f"({self.run.skipped_updates} skipped so far)."
             )
         return result

@@ -1,5 +1,6 @@
 """The PPO update of one rollout: `num_ppo_epochs` × shuffled minibatches × micro-batches, one optimizer step
-per minibatch, each minibatch judged by its guards first (non-finite loss, `ratio_threshold`, `early_stopping`).
+per minibatch, each minibatch judged by its guards first (non-finite loss, `ratio_threshold`, `early_stopping`,
+then a non-finite gradient norm).
 The losses themselves are in `losses.py`; `micro_batch_loss` composes them as the config asks.
 """
 
@@ -27,7 +28,7 @@ class Verdict(enum.Enum):
     STEP = "step"  # take the optimizer step
     SKIP = "skip"  # `ratio_threshold`: drop its gradients, go on with the next minibatch
     STOP = "stop"  # `early_stopping`: drop its gradients and end the update
-    NONFINITE = "nonfinite"  # a non-finite loss: drop its gradients and its stats, end the update
+    NONFINITE = "nonfinite"  # a non-finite loss or gradient norm: drop its gradients and its stats, end the update
 
     @property
     def ends_update(self) -> bool:
@@ -36,17 +37,21 @@ class Verdict(enum.Enum):
 
 @dataclass
 class UpdateResult:
-    """What one PPO update did: per-micro-batch stats (each `[n]`), whether a non-finite loss cut it short, and
-    with `detailed` stats the per-token ones (`policy/advantages`, `policy/ratio`: one 1-D tensor of the
-    response tokens per micro-batch)."""
+    """What one PPO update did: per-micro-batch stats (each `[n]`), what non-finite value cut it short (None, or
+    `NONFINITE_LOSS` / `NONFINITE_GRADIENT`), and with `detailed` stats the per-token ones (`policy/advantages`,
+    `policy/ratio`: one 1-D tensor of the response tokens per micro-batch)."""
 
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
-    nonfinite: bool = False
+    nonfinite: str | None = None
     token_stats: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 # `detailed_stats` that hold one value per response token rather than one per micro-batch.
 TOKEN_STATS = ("policy/advantages", "policy/ratio")
+# The whole loss of a micro-batch (policy, value, entropy and KL-loss terms), judged and not reported.
+TOTAL_LOSS = "loss/total"
+# What a non-finite update was cut short by, in messages.
+NONFINITE_LOSS, NONFINITE_GRADIENT = "PPO loss", "gradient norm"
 
 
 def ppo_update(
@@ -65,18 +70,20 @@ def ppo_update(
     `policy/skipped_minibatches`. `detailed` adds the stats of TRL's first PPOTrainer (`detailed_stats`). The first
     `critic_warmup_steps` updates train only the value function."""
     episodes = rollout.with_advantages(advantages)
-    stats, counts = defaultdict(list), {verdict: 0 for verdict in Verdict}
+    stats, counts, nonfinite = defaultdict(list), {verdict: 0 for verdict in Verdict}, None
     critic_only = update <= args.critic_warmup_steps
     models.model.train()
     for minibatch in shuffled_minibatches(args, episodes.queries.device):
         minibatch_stats = minibatch_backward(episodes, minibatch, models, args, detailed, critic_only)
         verdict = judge_minibatch(minibatch_stats, models.accelerator, args, update)
+        minibatch_stats.pop(TOTAL_LOSS, None)
+        nonfinite = NONFINITE_LOSS if verdict is Verdict.NONFINITE else None
         if critic_only:  # no gradient, so AdamW leaves the policy's weights and its state alone
             for parameter in models.wrapper.lm.parameters():
                 parameter.grad = None
+        if verdict is Verdict.STEP and not finite_gradient_norm(models, args):
+            verdict, nonfinite = Verdict.NONFINITE, NONFINITE_GRADIENT
         if verdict is Verdict.STEP:
-            if args.max_grad_norm:
-                models.accelerator.clip_grad_norm_(models.model.parameters(), args.max_grad_norm)
             optimizer.step()
         optimizer.zero_grad()
         counts[verdict] += 1
@@ -87,7 +94,7 @@ def ppo_update(
             break
     token_stats = {key: stats.pop(key) for key in TOKEN_STATS if key in stats}
     per_micro_batch = {key: torch.stack(values) for key, values in stats.items()}
-    result = UpdateResult(per_micro_batch, counts[Verdict.NONFINITE] > 0, token_stats)
+    result = UpdateResult(per_micro_batch, nonfinite, token_stats)
     if not result.nonfinite:  # a cut-short update reports only its losses' stats
         device = episodes.queries.device
         if args.early_stopping:
@@ -96,6 +103,26 @@ def ppo_update(
         if args.ratio_threshold is not None:
             result.stats["policy/skipped_minibatches"] = torch.tensor([float(counts[Verdict.SKIP])], device=device)
     return result
+
+
+def finite_gradient_norm(models: PreparedModels, args) -> bool:
+    """Clip the gradients to `max_grad_norm` (0: no clipping) -> whether their norm before clipping is finite, on
+    every process. True under DeepSpeed (its engine clips and has stepped already) and with fp16's loss scaler,
+    which skips a step with an infinite gradient itself and lowers its scale: that is how it calibrates."""
+    accelerator = models.accelerator
+    if models.is_deepspeed or getattr(accelerator, "scaler", None) is not None:
+        if args.max_grad_norm:
+            accelerator.clip_grad_norm_(models.model.parameters(), args.max_grad_norm)
+        return True
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")  # inf: the norm, nothing clipped
+    norm = accelerator.clip_grad_norm_(models.model.parameters(), max_norm)
+    return all_finite(torch.as_tensor(norm).reshape(1), accelerator)
+
+
+def all_finite(values: torch.Tensor, accelerator) -> bool:
+    """Whether every one of `values` is finite on every process (all processes get the same answer)."""
+    finite = torch.isfinite(values).all().float().reshape(1)
+    return accelerator.reduce(finite, reduction="sum").item() == accelerator.num_processes
 
 
 def shuffled_minibatches(args, device: torch.device) -> Iterator[torch.Tensor]:
@@ -237,7 +264,9 @@ def micro_batch_loss(
         stats["loss/kl_avg"] = kl_term.detach() * own
     if critic_only:  # in the graph, so that every parameter still gets a gradient (as DDP requires)
         policy_terms = policy_terms * 0.0
-    return policy_terms + args.vf_coef * vf_loss, stats
+    total = policy_terms + args.vf_coef * vf_loss
+    stats[TOTAL_LOSS] = total.detach()
+    return total, stats
 
 
 def clipranges(args) -> tuple[float, float | None]:
@@ -272,11 +301,10 @@ def detailed_stats(micro: Rollout, new_logprobs: torch.Tensor, new_values: torch
 
 def judge_minibatch(minibatch_stats: dict, accelerator, args, update: int) -> Verdict:
     """The minibatch's verdict, from values reduced over all processes so that every process decides the same:
-    NONFINITE when a loss is NaN/inf, SKIP when its mean ratio exceeds `ratio_threshold`, STOP when its mean
-    approximate KL exceeds 1.5 * `target_kl` (`early_stopping`), else STEP."""
-    losses = torch.stack(minibatch_stats["loss/policy_avg"] + minibatch_stats["loss/value_avg"])
-    finite = torch.isfinite(losses).all().float().reshape(1)
-    if accelerator.reduce(finite, reduction="sum").item() != accelerator.num_processes:
+    NONFINITE when a loss (the policy's, the value's or the total) is NaN/inf, SKIP when its mean ratio exceeds
+    `ratio_threshold`, STOP when its mean approximate KL exceeds 1.5 * `target_kl` (`early_stopping`), else STEP."""
+    names = ("loss/policy_avg", "loss/value_avg", TOTAL_LOSS)
+    if not all_finite(torch.stack([v for name in names for v in minibatch_stats.get(name, [])]), accelerator):
         return Verdict.NONFINITE
     if args.ratio_threshold is not None:
         ratio = accelerator.reduce(torch.stack(minibatch_stats["val/ratio"]).mean().reshape(1), "mean").item()
@@ -293,10 +321,13 @@ def judge_minibatch(minibatch_stats: dict, accelerator, args, update: int) -> Ve
     return Verdict.STEP
 
 
-def nonfinite_error(update: int, deepspeed: bool, last_checkpoint: str | None) -> FloatingPointError:
-    """The error that stops a run at a non-finite loss (without `skip_nonfinite_updates`)."""
+def nonfinite_error(
+    update: int, deepspeed: bool, last_checkpoint: str | None, what: str = NONFINITE_LOSS
+) -> FloatingPointError:
+    """The error that stops a run at a non-finite loss or gradient norm (`what`; without `skip_nonfinite_updates`)."""
     step = "DeepSpeed has already stepped with it" if deepspeed else "no optimizer step was taken"
     return FloatingPointError(
-        f"Non-finite PPO loss at update {update}; {step}. Last complete checkpoint: {last_checkpoint or 'none'}. "
-        "Lower `learning_rate`, check the reward scale, or set `skip_nonfinite_updates=True` to skip such updates."
+        f"Non-finite {what} at update {update}; {step}. Last complete checkpoint: {last_checkpoint or 'none'}. "
+        "Lower `learning_rate`, check the reward scale and the loss coefficients (`vf_coef`, `entropy_coef`, "
+        "`kl_loss_coef`), or set `skip_nonfinite_updates=True` to skip such updates."
     )

@@ -10,14 +10,15 @@ A checkpoint folder `checkpoint-<update>` holds:
 * `manifest.json`, written last: every other file's size and SHA-256 (`manifest.py`), verified before a resume
   loads anything.
 It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`). A save that
-fails removes its partial folder and raises `CheckpointSaveError`; the earlier checkpoints are untouched.
+fails removes its partial folder and raises `CheckpointSaveError`; the earlier checkpoints are untouched. Weights
+holding NaN or infinity are never written: the save raises `FloatingPointError` naming the tensor first.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ from .identity import check_resumable, model_fingerprint, run_identity
 from .manifest import MANIFEST_NAME, manifest_of
 from .preemption import PreemptionHandler, stop_requested
 from .rng import capture_rng_state, load_rng_state, rng_file
-from .weights import has_deepspeed_state, load_trained_weights
+from .weights import has_deepspeed_state, load_trained_weights, named_weights, nonfinite_tensor
 
 
 @dataclass
@@ -69,6 +70,7 @@ def save_checkpoint(
     write_weights: Callable[[str], None],
     write_trainer_state: Callable[[str], None],
     save_total_limit: int | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]] = (),
 ) -> str:
     """Write `checkpoint-<step>` under a temporary name and rename it into place once complete -> its path.
 
@@ -76,7 +78,9 @@ def save_checkpoint(
     collective); `write_trainer_state(path)` the trainer state, on the main process. The `ResumePoint` may be
     older than now: that is how a dropped rollout is undone (the weights have not changed since it was taken).
     If any process fails to write its part, every process raises `CheckpointSaveError` saying why, the partial
-    folder is removed and no older checkpoint is rotated away."""
+    folder is removed and no older checkpoint is rotated away. Before anything is written, every process checks
+    its named `weights`: one holding NaN or infinity raises `FloatingPointError` naming it, on every process."""
+    check_finite_weights(accelerator, weights, output_dir, step)
     staging = os.path.join(output_dir, f"{STAGING_PREFIX}{step}")
     if accelerator.is_main_process:
         staging_folder(output_dir, step)  # clears what an interrupted save left behind
@@ -99,6 +103,18 @@ def save_checkpoint(
     _on_all_or_fail(accelerator, write_process_part, staging, output_dir, step)
     final = _on_all_or_fail(accelerator, write_main_part, staging, output_dir, step, main_only=True)
     return final or os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
+
+
+def check_finite_weights(accelerator, weights: Iterable[tuple[str, torch.Tensor]], output_dir: str, step: int) -> None:
+    """Refuse, on every process, to write `checkpoint-<step>` of `weights` when a process finds one non-finite."""
+    found = [name for name in _gather(accelerator, nonfinite_tensor(weights)) if name is not None]
+    if found:
+        raise FloatingPointError(
+            f"Not writing checkpoint-{step}: the weight `{found[0]}` holds NaN or infinity (training diverged). "
+            f"Nothing was written; the checkpoints in {output_dir} are kept (newest: "
+            f"{latest_checkpoint(output_dir) or 'none'}). Resume from one with a lower `learning_rate`, or check "
+            "the reward scale and the loss coefficients."
+        )
 
 
 def _on_all_or_fail(accelerator, write: Callable, staging: str, output_dir: str, step: int, main_only=False):
@@ -183,6 +199,8 @@ __all__ = [
     "load_rng_state",
     "load_trained_weights",
     "model_fingerprint",
+    "named_weights",
+    "nonfinite_tensor",
     "read_run_state",
     "remove_unfinished_saves",
     "run_identity",

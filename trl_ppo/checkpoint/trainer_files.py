@@ -11,7 +11,15 @@ from transformers.trainer_callback import ExportableState
 
 from ..models import PreparedModels
 from ..run_state import PPOTrainerState, RunState
-from . import ResumePoint, load_rng_state, load_trained_weights, read_json, read_run_state, save_checkpoint
+from . import (
+    ResumePoint,
+    load_rng_state,
+    load_trained_weights,
+    named_weights,
+    read_json,
+    read_run_state,
+    save_checkpoint,
+)
 
 
 def exportable_callbacks(trainer: Trainer) -> list:
@@ -45,6 +53,7 @@ def write_trainer_checkpoint(trainer: Trainer, resume_point: ResumePoint, identi
         write_weights,
         write_trainer_state,
         args.save_total_limit,
+        weights=named_weights(trainer.accelerator.unwrap_model(trainer.model)),
     )
 
 

@@ -1,14 +1,34 @@
-"""Loading the trained models' weights back from a checkpoint into the models of a resumed run."""
+"""The trained models' weights: checked finite before any write, and loaded back from a checkpoint into the
+models of a resumed run."""
 
 from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterable
 
 import torch
 
 from ..models import PreparedModels
 from ..value_head import VALUE_HEAD_FILE, is_value_head_model
+
+
+def nonfinite_tensor(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or infinity, or None. Under ZeRO-3 a parameter is
+    an empty placeholder and this process's partition is its `ds_tensor`; offloaded (meta) tensors hold nothing."""
+    for name, tensor in named_tensors:
+        tensor = getattr(tensor, "ds_tensor", tensor)
+        if tensor.device.type == "meta" or not tensor.is_floating_point():
+            continue
+        if not torch.isfinite(tensor.detach()).all():
+            return name
+    return None
+
+
+def named_weights(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of `module`, by name (what its `state_dict` holds)."""
+    yield from module.named_parameters()
+    yield from module.named_buffers()
 
 
 def load_trained_weights(path: str, models: PreparedModels) -> None:

@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from ..config import PPOConfig as CorePPOConfig
+from ..config_fields import check_fields
+
+# trl 0.11's names of the fields that `trl_ppo.PPOConfig` (and its checks) call otherwise.
+RENAMED = {"kl_coef": "init_kl_coef", "kl_target": "target", "kl_horizon": "horizon"}
 
 
 def _script_name() -> str:
@@ -108,6 +112,7 @@ class PPOConfig:
     )
 
     def __post_init__(self):
+        check_fields(self, RENAMED)  # the core config's checks of types, finite numbers and bounds
         if self.optimize_cuda_cache is not None:
             warnings.warn(
                 "`optimize_cuda_cache` is deprecated and has no effect in trl_ppo.", FutureWarning, stacklevel=3

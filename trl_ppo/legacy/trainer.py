@@ -19,8 +19,10 @@ from transformers.trainer_callback import PrinterCallback
 
 from .. import distributed as dist
 from .. import step_api as episodes
+from ..checkpoint.weights import named_weights
 from ..completions import log_table_to_wandb
 from ..models import context_length
+from ..saving import check_finite_weights
 from ..trainer import PPOTrainer as CorePPOTrainer
 from ..value_head import check_save_directory, is_value_head_model
 from .config import PPOConfig, core_config
@@ -226,7 +228,9 @@ class PPOTrainer:
             state_dict = self.accelerator.get_state_dict(self.trainer.model)
             state_dict = {k[len("policy.") :]: v for k, v in (state_dict or {}).items() if k.startswith("policy.")}
         if self.accelerator.is_main_process:
-            self.accelerator.unwrap_model(self.model).save_pretrained(save_directory, state_dict=state_dict)
+            model = self.accelerator.unwrap_model(self.model)
+            check_finite_weights(state_dict.items() if state_dict is not None else named_weights(model), save_directory)
+            model.save_pretrained(save_directory, state_dict=state_dict)
             self.tokenizer.save_pretrained(save_directory)
 
     def save_checkpoint(self) -> str:
