@@ -21,6 +21,7 @@ from .models import (
     vocabulary_size,
 )
 from .rewards import Reward, build_rewards, check_reward_columns, models_reading_policy_ids
+from .saving import check_writable
 
 # Argument names of TRL's earlier PPO trainers -> what to pass here instead.
 RENAMED_ARGUMENTS = {
@@ -59,7 +60,6 @@ def _instead(name: str, accepted: list[str]) -> str:
     close = difflib.get_close_matches(name, accepted, n=1)
     hint = f"did you mean `{close[0]}=`?" if close else f"it takes {', '.join(accepted)}."
     return f"there is no argument `{name}=`: {hint}"
-from .saving import check_writable
 
 
 def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> list[Reward]:
