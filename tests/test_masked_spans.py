@@ -19,8 +19,8 @@ def close(actual, expected, tol=1e-5):
 def compacted(tensor: torch.Tensor, mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
     """Each row's masked values moved to the front, right-padded with `fill`: the episode without its tool tokens."""
     width = int(mask.sum(-1).max())
-    rows = [torch.nn.functional.pad(row[keep], (0, width - int(keep.sum())), value=fill) for row, keep in zip(tensor, mask)]
-    return torch.stack(rows)
+    pad = torch.nn.functional.pad
+    return torch.stack([pad(row[keep], (0, width - int(keep.sum())), value=fill) for row, keep in zip(tensor, mask)])
 
 
 def compact_mask(mask: torch.Tensor) -> torch.Tensor:
