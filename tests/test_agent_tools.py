@@ -218,7 +218,7 @@ def test_a_tokenizer_that_cannot_do_tools_is_refused_saying_what_to_add(tool_tok
         ToolChat(_with(tokenizer, response_template=tool_tokenizer.response_template), tools, tokenizer.eos_token_id)
     with pytest.raises(ValueError, match="has no `response_template`: set `tokenizer.response_template`"):
         ToolChat(_with(tool_tokenizer, response_template=None), tools, tool_tokenizer.eos_token_id)
-    with pytest.raises(ValueError, match="needs a stop token"):
+    with pytest.raises(ValueError, match="Tools need a stop token.*set `stop_token='eos'`"):
         ToolChat(tool_tokenizer, tools, None)
     no_tool_role = CHAT_TEMPLATE.replace("message.content }}{{ '\\n' }}</tool_response>", "'' }}</tool_response>")
     with pytest.raises(ValueError, match="does not render messages of role 'tool'"):

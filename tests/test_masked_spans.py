@@ -132,3 +132,17 @@ def test_whitened_rewards_and_per_token_means_ignore_tool_tokens():
     clean, poisoned = everything(0.0), everything(1e4)
     for name in clean:
         torch.testing.assert_close(poisoned[name], clean[name], msg=name)
+
+
+def test_the_missing_eos_penalty_looks_at_the_models_last_turn():
+    mask = torch.tensor([[T, T, F, F, T, T, F], [T, T, F, T, T, T, T], [T, T, T, F, F, F, F]])
+    assert ppo.last_turn_mask(mask).tolist() == [
+        [F, F, F, F, T, T, F],
+        [F, F, F, T, T, T, T],
+        [T, T, T, F, F, F, F],  # one turn: the whole mask, as for a single-turn response
+    ]
+    stop = 9
+    responses = torch.tensor([[1, 9, 5, 5, 2, 9, 0], [1, 9, 5, 2, 2, 2, 2], [1, 2, 9, 5, 5, 0, 0]])
+    has_stop = ppo.contains_stop_token(responses, ppo.last_turn_mask(mask), stop)
+    assert has_stop.tolist() == [True, False, True]  # the second stopped its first turn, not its last
+    close(ppo.apply_missing_eos_penalty(torch.zeros(3), has_stop, 1.0), [0.0, -1.0, 0.0])

@@ -104,6 +104,15 @@ def contains_stop_token(responses: torch.Tensor, response_mask: torch.Tensor, st
     return ((responses == stop_token_id) & response_mask).any(-1)
 
 
+def last_turn_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """The last turn of the policy in a response mask `[B, T]`: its last run of True (the whole mask of a
+    single-turn response). -> `[B, T]` bool. Length-based penalties look at it, not at earlier turns."""
+    positions = torch.arange(response_mask.size(1), device=response_mask.device).expand_as(response_mask)
+    before_last = positions < last_token_index(response_mask).unsqueeze(1)
+    last_gap = torch.where(~response_mask & before_last, positions, -1).amax(-1, keepdim=True)
+    return response_mask & (positions > last_gap)
+
+
 def apply_missing_eos_penalty(
     scores: torch.Tensor, has_stop_token: torch.Tensor, missing_eos_penalty: float | None
 ) -> torch.Tensor:

@@ -38,12 +38,12 @@ class ToolChat:
     chat template rewrites earlier turns. `tools`: the JSON schemas the model is shown (`tools.schemas`)."""
 
     def __init__(self, tokenizer, tools: list[dict], stop_token_id: int | None) -> None:
-        self.tokenizer, self.tools = tokenizer, tools
+        self.tokenizer, self.tools, self.stop_token_id = tokenizer, tools, stop_token_id
         check_parsing_api(tokenizer)
         if stop_token_id is None:
             raise ValueError(
-                "Tool use needs a stop token that ends each turn of the model (the tokenizer's eos token, or "
-                "`stop_token_id`): a turn without one cannot be told apart from one cut by the length budget."
+                "Tools need a stop token that ends each turn of the model, and none is set: set `stop_token='eos'` "
+                "(or `stop_token_id`) in the config. A turn without one cannot be told from one cut by the budget."
             )
         self.stop_text = tokenizer.decode([stop_token_id])
         self._check_template()
