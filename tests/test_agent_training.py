@@ -2,13 +2,17 @@
 `train()`, and `max_turns=1` without tools unchanged."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
-from conftest import build_trainer
+from conftest import build_trainer, tiny_config
 from trl_ppo import PPOTrainer
 from trl_ppo.agents import runner as agent_runner_module
 from trl_ppo.agents.runner import AgentRunner
@@ -50,17 +54,8 @@ def tool_tokenizer():
 
 
 def tool_policy(tokenizer):
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=2048,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = tiny_config("qwen2", tokenizer)
+    config.max_position_embeddings = 2048  # byte-level prompts that list the tools are long
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
 
@@ -72,7 +67,8 @@ def shop_dataset():
 
 
 def agent_trainer(make_config, tokenizer, reward, **overrides):
-    values = dict(max_turns=3, response_length=300, total_episodes=8, per_device_train_batch_size=2, stop_token="eos")
+    values = dict(max_turns=3, response_length=280, total_episodes=4, stop_token="eos", num_ppo_epochs=1)
+    values |= dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, local_rollout_forward_batch_size=2)
     return PPOTrainer(
         args=make_config(**{**values, **overrides}),
         processing_class=tokenizer,
@@ -128,7 +124,7 @@ def test_train_plays_multi_turn_episodes_with_tools_and_environments(make_config
         assert math.isclose(entry["objective/scores"], 1.5, abs_tol=1e-6)
         assert all(math.isfinite(v) for v in entry.values() if isinstance(v, float))
     prompts, completions, environments = seen[0]
-    assert [environment.bought for environment in environments] == [["apple"]] * 4
+    assert [environment.bought for environment in environments] == [["apple"]] * 2
     assert "You have" in prompts[0] and '"name": "multiply"' in prompts[0]  # reset's text, and the tools shown
     assert "<tool_response>" not in completions[0]  # completions are the model's own tokens
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
@@ -179,3 +175,16 @@ def test_one_turn_through_the_turn_loop_is_bit_identical_to_single_turn_sampling
     assert plain_logs == [{k: v for k, v in e.items() if k not in agent_metrics} for e in loop_logs]
     for name, value in plain_weights.items():
         assert torch.equal(loop_weights[name], value), name
+
+
+@pytest.mark.slow
+def test_the_readme_agents_example_runs(tmp_path):
+    """The README's example, as a user would run it: a script of its own (a subprocess)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    example = readme.split("<!-- agents-example -->\n```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "example.py"
+    script.write_text(example + "\nassert 'env/turns_mean' in trainer.state.log_history[-2]\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'env/turns_mean'" in result.stdout and (tmp_path / "agents-out").is_dir()
