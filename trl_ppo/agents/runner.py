@@ -6,6 +6,7 @@ row), plays the turns with the run's sampler (`turn_loop.run_turns`), and return
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 
@@ -51,7 +52,7 @@ class AgentRunner:
         check_agent_config(args, tools, environment_factory)
         self.tokenizer, self.tools = tokenizer, list(tools or [])
         self.environments = None if environment_factory is None else Environments(environment_factory, columns)
-        makers = [] if environment_factory is None else list(getattr(environment_factory, "values", lambda: [])())
+        makers = list(environment_factory.values()) if isinstance(environment_factory, Mapping) else []
         makers = makers or ([environment_factory] if environment_factory is not None else [])
         shown = {}  # every tool any episode may have, from one probe instance of each environment class
         for maker in makers or [None]:

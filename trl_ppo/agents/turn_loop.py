@@ -41,7 +41,6 @@ class Episode:
     truncated_answers: int = 0  # tool answers cut to `max_tool_response_length`
     truncated: bool = False  # ended by the budget (or by `max_turns`) with the model still working
     done: bool = False
-    conversation: list[tuple[str, str]] = field(default_factory=list)  # (role, text) for the completions table
 
     @property
     def context(self) -> list[int]:
@@ -95,8 +94,6 @@ def _add_model_turn(episode: Episode, ids: list[int], chat: ToolChat | None, bud
     episode.response += ids
     episode.model_mask += [True] * len(ids)
     episode.turn_rewards.append(0.0)
-    if chat is not None:
-        episode.conversation.append(("assistant", chat.tokenizer.decode(ids)))
     stopped = chat is not None and len(ids) > 0 and ids[-1] == chat.stop_token_id
     if not stopped:  # cut by the budget (or no tools: a single-turn episode)
         episode.done, episode.truncated = True, chat is not None and len(ids) > 0
@@ -127,7 +124,6 @@ def _add_tool_answers(
         return
     episode.response += answer.ids
     episode.model_mask += [False] * len(answer.ids)
-    episode.conversation.append(("tool", chat.tokenizer.decode(answer.ids)))
 
 
 def episodes_rollout(episodes: list[Episode], pad_token_id: int, response_length: int, device) -> Rollout:
