@@ -1,6 +1,7 @@
 """`PPOTrainer(..., tools=, environment_factory=)` (issue 25): checked at construction, the turn loop inside
 `train()`, and `max_turns=1` without tools unchanged."""
 
+import json
 import math
 import os
 import subprocess
@@ -188,3 +189,68 @@ def test_the_readme_agents_example_runs(tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'env/turns_mean'" in result.stdout and (tmp_path / "agents-out").is_dir()
+
+
+def random_sampler(tokenizer):
+    """A model whose turns are drawn with the global RNG: a `multiply` call with random factors, or an answer (so
+    a resumed run must restore the RNG to write the same episodes)."""
+
+    def make(models, sampling):
+        def sample_turn(contexts, max_new_tokens):
+            turns = []
+            for context in contexts:
+                a, b, answer = torch.randint(0, 50, (3,)).tolist()
+                if answer % 2 or "</tool_response>" in tokenizer.decode(context):
+                    text = f"It is {a}.<|im_end|>"
+                else:
+                    arguments = json.dumps({"a": a, "b": b})
+                    text = f'<tool_call>{{"name": "multiply", "arguments": {arguments}}}</tool_call><|im_end|>'
+                turns.append(tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens])
+            return turns
+
+        return sample_turn
+
+    return make
+
+
+def test_a_multi_turn_run_resumes_bit_identical(make_config, tool_tokenizer, monkeypatch, tmp_path):
+    """4 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit."""
+    monkeypatch.setattr(agent_runner_module, "turn_sampler", random_sampler(tool_tokenizer))
+
+    def reward(prompts, completions, environments=None, **columns):
+        return [float(len(completion) % 5) for completion in completions]
+
+    settings = dict(total_episodes=8, save_strategy="steps", save_steps=2, logging_steps=1, response_length=160)
+
+    def trainer(output_dir):
+        return agent_trainer(make_config, tool_tokenizer, reward, output_dir=str(tmp_path / output_dir), **settings)
+
+    straight = trainer("a")
+    straight.train()
+    first = trainer("b")
+    first.args.num_total_batches = 2  # stopped after update 2, with checkpoint-2 written
+    first.train()
+    resumed = trainer("b")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    calls = [entry["env/tool_calls_mean"] for entry in straight.state.log_history if "env/tool_calls_mean" in entry]
+    assert len(calls) == 4 and 0 < sum(calls)  # some episodes did call the tool
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
+    logs = [[{k: v for k, v in e.items() if k != "eps"} for e in t.state.log_history] for t in (straight, resumed)]
+    assert logs[0] == logs[1]
+
+
+def test_evaluation_and_the_completions_table_play_whole_episodes(make_config, tool_tokenizer, monkeypatch):
+    def says_42(prompts, completions, environments=None, **columns):
+        return [1.0 if "42." in completion else 0.0 for completion in completions]
+
+    monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted_sampler(tool_tokenizer))
+    trainer = agent_trainer(make_config, tool_tokenizer, says_42, per_device_eval_batch_size=2)
+    rows = trainer.generate_completions()
+    assert len(rows) == 2 and rows[0]["score"] == 1.5  # says_42, and the environment's reward for one apple
+    response = rows[0]["model response"]
+    assert response.startswith('<tool_call>{"name": "multiply"') and response.endswith("It is 42.")
+    assert response.count("[tool]") == 2 and "[tool]\nuser\n<tool_response>\n42\n</tool_response>" in response
+    metrics = trainer.evaluate(eval_dataset=shop_dataset())
+    assert metrics["eval_objective/scores"] == 1.5 and metrics["eval_objective/scores/environment"] == 0.5

@@ -117,7 +117,8 @@ def test_failed_calls_are_answered_and_counted(tok, chat):
 
 
 def test_unreadable_tool_call_markup_is_answered_as_an_error(tok, chat):
-    script = Script([[ids(tok, '<tool_call>{"name": "multiply", "argu</tool_call><|im_end|>'), ids(tok, "x<|im_end|>")]])
+    unreadable = ids(tok, '<tool_call>{"name": "multiply", "argu</tool_call><|im_end|>')
+    script = Script([[unreadable, ids(tok, "x<|im_end|>")]])
     played = run_turns([episode(tok, "e0")], script, chat, max_turns=3, budget=600)[0]
     assert played.tool_calls == 1 and played.tool_errors == 1 and played.turns == 2 and not played.truncated
 

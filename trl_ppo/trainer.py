@@ -349,8 +349,8 @@ class PPOTrainer(OnPolicyTrainer):
             raise ValueError("`evaluate()` needs prompts: pass `eval_dataset` to it or to the trainer.")
         step = self.state.global_step
         where = f"Evaluation after update {step}" if step else "Evaluation before training"
-        models, sampling, scoring = self._models(), self._sampling(), self._scoring()
-        metrics = evaluation_metrics(dataset, self.data_collator, models, sampling, scoring, self.args, where)
+        pieces = (self.data_collator, self._models(), self._sampling(), self._scoring(), self.args, where)
+        metrics = evaluation_metrics(dataset, *pieces, collect=self.collect_rollout)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
         self.log({**metrics, "episode": getattr(self.state, "episode", 0)})  # the episode places it on the curves
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -367,8 +367,8 @@ class PPOTrainer(OnPolicyTrainer):
         whole = not sampling and self.eval_dataset is not None
         count = min(len(dataset), len(dataset) if whole else args.per_device_eval_batch_size)
         pieces = (self.data_collator, self._models(), self._sampling(), self._scoring())
-        where = f"Completions table at update {step}"
-        rows = sample_completions(dataset, count, args.per_device_eval_batch_size, *pieces, where=where)
+        where, play = f"Completions table at update {step}", None if self.agents is None else self.collect_rollout
+        rows = sample_completions(dataset, count, args.per_device_eval_batch_size, *pieces, where=where, play=play)
         if self.accelerator.is_main_process:
             show_table(rows, f"Completions at update {step}", args.report_to, step)
         return rows
