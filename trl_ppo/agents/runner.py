@@ -13,7 +13,7 @@ import torch
 from .. import distributed as dist
 from .. import ppo
 from ..config_checks import stop_and_penalty_tokens
-from ..data import LeftPaddingCollator, is_conversational
+from ..data import LeftPaddingCollator, is_conversational, prompts_on_device
 from ..rewards import Reward
 from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
 from .chat import ToolChat
@@ -67,7 +67,8 @@ class AgentRunner:
         rendered with its tools (chat-message prompts) and with the text `reset` returned."""
         columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
         episodes = []
-        for i, (ids, mask) in enumerate(zip(batch["input_ids"], batch["attention_mask"].bool())):
+        queries, query_mask = prompts_on_device(batch, "cpu", self.tokenizer.pad_token_id)
+        for i, (ids, mask) in enumerate(zip(queries, query_mask)):
             row = {key: values[i] for key, values in columns.items()}
             environment, added = self.environments.create(row) if self.environments is not None else (None, None)
             tools = toolbox(self.tools, environment)
