@@ -54,20 +54,44 @@ def sample_completions(
     sampling: Sampling,
     scoring: Scoring,
     where: str,
+    play=None,
 ) -> list[dict]:
     """Sample and score a completion for each of the first `count` prompts of `dataset`, `batch_size` at a time
-    -> rows of `query`, `model response` and `score` (every process its own rows). `where` labels reward errors."""
+    -> rows of `query`, `model response` and `score` (every process its own rows). `where` labels reward errors.
+    `play(batch)`: the rollout of a batch, where it is not one sampled response (multi-turn episodes, whose
+    tool answers the table shows marked: `marked_responses`)."""
     tokenizer = scoring.tokenizer
     rows = []
     for part in chunks(count, batch_size):
         batch = collate([dataset[i] for i in range(part.start, part.stop)])
-        queries, query_mask = prompts_on_device(batch, models.accelerator.device, sampling.pad_token_id)
-        rollout = sample_rollout(models, queries, query_mask, sampling)
+        if play is None:
+            queries, query_mask = prompts_on_device(batch, models.accelerator.device, sampling.pad_token_id)
+            rollout = sample_rollout(models, queries, query_mask, sampling)
+        else:
+            rollout = play(batch)
         scores, _ = scoring(rollout, batch, where)
         texts = zip(
-            decode_texts(tokenizer, queries, query_mask),
-            decode_texts(tokenizer, rollout.responses, rollout.response_mask),
+            decode_texts(tokenizer, rollout.queries, rollout.query_mask),
+            marked_responses(tokenizer, rollout),
             scores.tolist(),
         )
         rows.extend({"query": q, "model response": r, "score": s} for q, r, s in texts)
     return rows
+
+
+def marked_responses(tokenizer, rollout) -> list[str]:
+    """Each response decoded; where tokens are attended to but not the model's (tool and environment answers of a
+    multi-turn episode), each such span is shown as `[tool] ... [/tool]`."""
+    if rollout.response_attention_mask is None:
+        return decode_texts(tokenizer, rollout.responses, rollout.response_mask)
+    texts = []
+    for ids, model, attended in zip(rollout.responses, rollout.response_mask, rollout.response_attention_mask):
+        ids, model = ids[attended].tolist(), model[attended].tolist()
+        spans, start = [], 0
+        for end in range(1, len(ids) + 1):
+            if end == len(ids) or model[end] != model[start]:
+                text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+                spans.append(text if model[start] else f"[tool]{text}[/tool]")
+                start = end
+        texts.append("".join(spans))
+    return texts

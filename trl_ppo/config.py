@@ -352,3 +352,19 @@ class PPOConfig(OnPolicyConfig):
         default=False,
         metadata={"help": "Also write the value model to `<output_dir>/value_model` in `save_model()`."},
     )
+    max_turns: int = field(
+        default=1,
+        metadata={
+            "help": "Turns of the model per episode, with `tools` / `environment_factory` given to the trainer "
+            "(at least 2 then): the model writes, its tool calls are answered, it writes again. 1: one response "
+            "per prompt, as without tools. `response_length` is the budget of the whole episode after the prompt."
+        },
+    )
+    max_tool_response_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tool answers longer than this many tokens are cut to it (counted in "
+            "`env/truncated_tool_responses`); None: no limit."
+        },
+    )
+

@@ -28,12 +28,13 @@ def process_share(dataset_length: int, num_processes: int, process_index: int) -
 
 @torch.no_grad()
 def evaluation_metrics(
-    dataset, collate, models: PreparedModels, sampling: Sampling, scoring: Scoring, args, where: str
+    dataset, collate, models: PreparedModels, sampling: Sampling, scoring: Scoring, args, where: str, collect=None
 ) -> dict[str, float]:
     """Sample one response to every prompt of `dataset` (prepared prompts), score it, and return over all
     processes (unprefixed): `objective/scores` (and `objective/scores/<reward>`), `objective/kl` (summed per
     sequence, the training penalty's estimator), `val/mean_response_length` and `val/stop_token_frac` (responses
-    ending with `sampling.stop_token_id`, else EOS: `scoring.penalty_token_id`). `where` labels reward errors."""
+    ending with `sampling.stop_token_id`, else EOS: `scoring.penalty_token_id`). `where` labels reward errors.
+    `collect(batch)` makes the rollout of a batch (default: `rollout.collect_rollout`; the trainer's, with tools)."""
     check_reward_columns(scoring.rewards, dataset, "eval_dataset")  # before sampling (`evaluate(eval_dataset=...)`)
     accelerator = models.accelerator
     indices, counted = process_share(len(dataset), accelerator.num_processes, accelerator.process_index)
@@ -44,7 +45,7 @@ def evaluation_metrics(
     for part in chunks(len(indices), args.per_device_eval_batch_size):
         batch = collate([dataset[i] for i in indices[part]])
         valid = torch.tensor(counted[part], device=accelerator.device)
-        rollout = collect_rollout(batch, models, sampling, args)
+        rollout = collect_rollout(batch, models, sampling, args) if collect is None else collect(batch)
         scores, scores_per_reward = scoring(rollout, batch, where)
         mask = rollout.response_mask
         kl = rollout.per_token_kl(args.kl_penalty, args.kl_estimator)

@@ -93,3 +93,11 @@ def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, kl_horizon: in
     """
     error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * num_episodes / kl_horizon)
+
+
+def next_kl_coef(kl_coef: float, kl: float, args) -> float:
+    """The KL coefficient for the next update: `adaptive_kl_coef` towards `args.kl_target` given this update's mean
+    per-sequence `kl` (over `args.batch_size` episodes), or `kl_coef` unchanged without a `kl_target`."""
+    if args.kl_target is None:
+        return kl_coef
+    return adaptive_kl_coef(kl_coef, kl, args.kl_target, args.kl_horizon, args.batch_size)

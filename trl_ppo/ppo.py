@@ -104,6 +104,15 @@ def contains_stop_token(responses: torch.Tensor, response_mask: torch.Tensor, st
     return ((responses == stop_token_id) & response_mask).any(-1)
 
 
+def last_turn_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """The last turn of the policy in a response mask `[B, T]`: its last run of True (the whole mask of a
+    single-turn response). -> `[B, T]` bool. Length-based penalties look at it, not at earlier turns."""
+    positions = torch.arange(response_mask.size(1), device=response_mask.device).expand_as(response_mask)
+    before_last = positions < last_token_index(response_mask).unsqueeze(1)
+    last_gap = torch.where(~response_mask & before_last, positions, -1).amax(-1, keepdim=True)
+    return response_mask & (positions > last_gap)
+
+
 def apply_missing_eos_penalty(
     scores: torch.Tensor, has_stop_token: torch.Tensor, missing_eos_penalty: float | None
 ) -> torch.Tensor:
@@ -125,32 +134,74 @@ class Rewards:
 
 
 def kl_shaped_rewards(
-    shaped_scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float, whiten: bool = False
+    shaped_scores: torch.Tensor,
+    kl: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    whiten: bool = False,
+    turn_rewards: torch.Tensor | None = None,
 ) -> Rewards:
     """`per_token_rewards`, whitened (scale only, no mean shift) over the response tokens when `whiten`.
-    shaped_scores `[B]`, kl and response_mask `[B, T]` -> `Rewards`."""
-    rewards, non_score_rewards = per_token_rewards(shaped_scores, kl, response_mask, kl_coef)
+    shaped_scores `[B]`, kl and response_mask `[B, T]`, turn_rewards `[B, K]` or None -> `Rewards`."""
+    rewards, non_score_rewards = per_token_rewards(shaped_scores, kl, response_mask, kl_coef, turn_rewards)
     if whiten:
         rewards = masked_whiten(rewards, response_mask, shift_mean=False).masked_fill(~response_mask, 0.0)
     return Rewards(rewards, kl, non_score_rewards, shaped_scores)
 
 
 def per_token_rewards(
-    scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    turn_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: `-kl_coef * kl` on every response token, plus the score on the last response token.
+    """Per-token rewards: `-kl_coef * kl` on every response token, plus the score on the last response token,
+    plus each per-turn reward on the last model token of its turn (`per_turn_token_rewards`).
 
-    The score is credited to the last token the policy produced (its stop token when it has one). TRL's
-    PPOv2 credited it one position later, on the first padding token.
+    The score is credited to the last token the policy produced (its stop token when it has one; in a multi-turn
+    episode that ends on a tool answer, the model's last token before it). TRL's PPOv2 credited it one position
+    later, on the first padding token.
 
-    scores `[B]`, kl `[B, T]`, response_mask `[B, T]` -> (rewards `[B, T]`, non_score_rewards `[B, T]`),
-    both zero outside the mask.
+    scores `[B]`, kl `[B, T]`, response_mask `[B, T]`, turn_rewards `[B, K]` or None -> (rewards `[B, T]`,
+    non_score_rewards `[B, T]`), both zero outside the mask.
     """
     non_score_rewards = (-kl_coef * kl).masked_fill(~response_mask, 0.0)
     rewards = non_score_rewards.clone()
+    if turn_rewards is not None:
+        rewards = rewards + per_turn_token_rewards(turn_rewards, response_mask).to(rewards.dtype)
     rows = torch.arange(rewards.size(0), device=rewards.device)
     rewards[rows, last_token_index(response_mask)] += scores.to(rewards.dtype)
     return rewards, non_score_rewards
+
+
+def turn_ends(response_mask: torch.Tensor) -> torch.Tensor:
+    """True on the last token of each turn of the policy: each maximal run of True in a response mask `[B, T]`
+    (a multi-turn episode's model tokens, separated by tool/environment tokens). -> `[B, T]` bool."""
+    following = torch.nn.functional.pad(response_mask[:, 1:], (0, 1), value=False)
+    return response_mask & ~following
+
+
+def per_turn_token_rewards(turn_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-turn rewards placed on the last model token of their turn (`turn_ends`). turn_rewards `[B, K]`, the
+    k-th for the episode's k-th turn (pad with 0 where an episode had fewer turns), response_mask `[B, T]` ->
+    `[B, T]`, zero elsewhere. A reward for a turn the episode does not have is an error."""
+    ends = turn_ends(response_mask)
+    turns = ends.sum(-1)
+    rewarded = turn_rewards.ne(0)
+    beyond = rewarded & (torch.arange(turn_rewards.size(1), device=turn_rewards.device) >= turns.unsqueeze(1))
+    if bool(beyond.any()):
+        episode = int(beyond.any(-1).nonzero()[0])
+        raise ValueError(
+            f"Episode {episode} has {int(turns[episode])} model turns but a reward for turn "
+            f"{int(beyond[episode].nonzero()[0]) + 1}: a per-turn reward needs a turn of the model to land on."
+        )
+    rows, columns = ends.nonzero(as_tuple=True)
+    turn = (ends.long().cumsum(-1) - 1)[rows, columns]  # the turn that ends at each of those tokens
+    given = turn < turn_rewards.size(1)
+    placed = torch.zeros(response_mask.shape, dtype=turn_rewards.dtype, device=turn_rewards.device)
+    placed[rows[given], columns[given]] = turn_rewards[rows[given], turn[given]]
+    return placed
 
 
 class RunningMoments:
@@ -204,10 +255,14 @@ def compute_gae(
     gamma: float,
     lam: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation (Schulman et al. 2016) over the response tokens.
+    """Generalized advantage estimation (Schulman et al. 2016) over the response tokens the policy chose.
 
-    delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   returns = A + V.
-    The episode ends after the last response token (V after it is 0).
+    delta_t = r_t + gamma * V_{t'} - V_t,   A_t = delta_t + gamma * lam * A_{t'},   returns = A + V,
+    where t' is the next position of the mask after t (the next token the policy chose). The episode ends after
+    the last one (V after it is 0). Positions outside the mask are skipped, not stepped through: across a
+    tool/environment span inside a response (a gap in the mask), the last model token before it bootstraps from
+    the value of the first model token after it, so gamma and lam never decay over tokens the policy did not
+    choose, and the result at the mask equals plain GAE on the sequence with the gaps removed.
 
     rewards, values, response_mask `[B, T]`, `lam` a float or one per episode `[B]` -> (advantages `[B, T]`,
     returns `[B, T]`), zero outside the mask.
@@ -216,12 +271,14 @@ def compute_gae(
     values = values.masked_fill(~response_mask, 0.0)
     advantages_reversed = []
     last_advantage = torch.zeros_like(rewards[:, 0])
-    length = rewards.size(1)
-    for t in reversed(range(length)):
-        next_values = values[:, t + 1] if t + 1 < length else torch.zeros_like(values[:, t])
+    next_values = torch.zeros_like(values[:, 0])  # V of the next masked position (0 after the last one)
+    for t in reversed(range(rewards.size(1))):
         delta = rewards[:, t] + gamma * next_values - values[:, t]
-        last_advantage = delta + gamma * lam * last_advantage
-        advantages_reversed.append(last_advantage)
+        advantage = delta + gamma * lam * last_advantage
+        advantages_reversed.append(advantage)
+        chosen = response_mask[:, t]  # outside the mask, carry the next chosen token's V and A over this position
+        last_advantage = torch.where(chosen, advantage, last_advantage)
+        next_values = torch.where(chosen, values[:, t], next_values)
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = advantages + values
     return advantages.masked_fill(~response_mask, 0.0), returns.masked_fill(~response_mask, 0.0)

@@ -319,7 +319,8 @@ def compute_scores(
         per_reward[reward.name] = (scores, present)
     combined = sum(reward.weight * per_reward[reward.name][0] for reward in rewards)
     if missing_eos_penalty is not None and penalty_token_id is not None:
-        has_stop = ppo.contains_stop_token(rollout.responses, rollout.response_mask, penalty_token_id)
+        last_turn = ppo.last_turn_mask(rollout.response_mask)  # a multi-turn episode's earlier turns all stopped
+        has_stop = ppo.contains_stop_token(rollout.responses, last_turn, penalty_token_id)
         combined = ppo.apply_missing_eos_penalty(combined, has_stop, missing_eos_penalty)
     return combined, per_reward
 

@@ -52,6 +52,7 @@ class Rollout:
     # [B, T] True on every response token, where `step(response_masks=...)` leaves some out of `response_mask`
     # (e.g. tool output): those are attended to but not trained on. None: the same as `response_mask`.
     response_attention_mask: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None  # [B, K] per-turn rewards of multi-turn episodes (`agents`), or None
 
     @property
     def response_length(self) -> int:

@@ -24,12 +24,13 @@ from . import data, ppo, reporting, saving
 from . import distributed as dist
 from . import step_api as episodes
 from . import update as ppo_epochs
+from .agents.runner import agent_runner
 from .completions import sample_completions, show_table
 from .config import PPOConfig
 from .config_checks import stop_and_penalty_tokens
 from .evaluation import evaluation_metrics
 from .generation import resolve_backend
-from .kl import adaptive_kl_coef
+from .kl import next_kl_coef
 from .metrics import update_metrics
 from .models import (
     PolicyAndValueWrapper,
@@ -74,6 +75,8 @@ class PPOTrainer(OnPolicyTrainer):
         peft_config: a `peft.PeftConfig` to train an adapter instead of the whole policy.
         reward_processing_class: a tokenizer per reward model (same order; None for one sharing the policy's):
             the decoded prompt and response are re-encoded with it before that model scores them.
+        tools, environment_factory: multi-turn episodes (`max_turns` >= 2): functions the model may call (sync or
+            async), and one environment per episode (a class, or `{name: class}`); see `trl_ppo.agents`.
     """
 
     _tag_names = ["trl_ppo", "ppo"]
@@ -94,9 +97,12 @@ class PPOTrainer(OnPolicyTrainer):
         callbacks: list[TrainerCallback] | None = None,
         peft_config=None,
         reward_processing_class=None,
+        tools=None,
+        environment_factory=None,
     ) -> None:
         tokenizer = processing_class
         rewards = validate_inputs(args, tokenizer, reward_model, reward_processing_class)
+        self.agents = agent_runner(args, tokenizer, tools, environment_factory, rewards, train_dataset)
         model = with_value_function(model, value_model, args.seed)
         train_dataset, eval_dataset = prepare_data(args, tokenizer, train_dataset, eval_dataset, model, rewards)
         fingerprints = initial_fingerprints(model, ref_model, value_model, rewards)
@@ -174,7 +180,7 @@ class PPOTrainer(OnPolicyTrainer):
                 update_stats = self.ppo_update(rollout, advantages).stats
 
                 metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward)
-                self.run.kl_coef = self.adapted_kl_coef(metrics["objective/kl"])
+                self.run.kl_coef = next_kl_coef(self.run.kl_coef, metrics["objective/kl"], self.args)
                 self.lr_scheduler.step()
                 self._end_update(metrics)  # log / evaluate / save
                 if not last and ckpt.stop_requested(preemption, self.accelerator):
@@ -187,8 +193,9 @@ class PPOTrainer(OnPolicyTrainer):
 
     def collect_rollout(self, batch: dict) -> Rollout:
         """Sample one response per prompt of a collated batch, then compute `logprobs`, `ref_logprobs` and
-        `values` `[B, T]` (no gradients)."""
-        return collect_rollout(batch, self._models(), self._sampling(), self.args)
+        `values` `[B, T]` (no gradients); with tools or environments, one multi-turn episode per prompt."""
+        collect = collect_rollout if self.agents is None else self.agents.collect
+        return collect(batch, self._models(), self._sampling(), self.args)
 
     def add_logprobs_and_values(self, rollout: Rollout) -> Rollout:
         """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout (no gradients)."""
@@ -201,11 +208,11 @@ class PPOTrainer(OnPolicyTrainer):
 
     def compute_rewards(self, rollout: Rollout) -> ppo.Rewards:
         """Per-token rewards `[B, T]`: `-kl_coef * KL` (the `kl_penalty` / `kl_estimator` term) on every response
-        token, plus the shaped score on the last."""
-        args, mask = self.args, rollout.response_mask
+        token, plus the shaped score on the last (and per-turn rewards on each turn's last model token)."""
+        args, mask, kl_coef = self.args, rollout.response_mask, self.run.kl_coef
         kl = rollout.per_token_kl(args.kl_penalty, args.kl_estimator)
         shaped_scores = self._shaped_scores(rollout.scores)
-        return ppo.kl_shaped_rewards(shaped_scores, kl, mask, self.run.kl_coef, args.whiten_rewards)
+        return ppo.kl_shaped_rewards(shaped_scores, kl, mask, kl_coef, args.whiten_rewards, rollout.turn_rewards)
 
     def _shaped_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Scores `[B]` as the rewards use them: scaled by the running moments (updated with these scores from all
@@ -243,14 +250,6 @@ class PPOTrainer(OnPolicyTrainer):
                 f"({self.run.skipped_updates} skipped so far)."
             )
         return result
-
-    def adapted_kl_coef(self, kl: float) -> float:
-        """The KL coefficient for the next update: adaptive KL control towards `kl_target` (Ziegler et al. 2019)
-        given this update's mean per-sequence `kl`, or unchanged without a `kl_target`."""
-        args = self.args
-        if args.kl_target is None:
-            return self.run.kl_coef
-        return adaptive_kl_coef(self.run.kl_coef, kl, args.kl_target, args.kl_horizon, args.batch_size)
 
     # ----------------------------------------------------------------------------------- the step API
     @torch.no_grad()
@@ -320,7 +319,7 @@ class PPOTrainer(OnPolicyTrainer):
         result = self.ppo_update(rollout, advantages, detailed)
         clock.lap("optimize_step")
         metrics = self._update_metrics(rollout, rewards, result.stats, scores_per_reward={})
-        self.run.kl_coef = self.adapted_kl_coef(metrics["objective/kl"])
+        self.run.kl_coef = next_kl_coef(self.run.kl_coef, metrics["objective/kl"], self.args)
         self.lr_scheduler.step()
         metrics = self._end_update(metrics)
         return episodes.EpisodeUpdate(rollout, rewards, advantages, result, metrics, clock.seconds)
@@ -350,8 +349,8 @@ class PPOTrainer(OnPolicyTrainer):
             raise ValueError("`evaluate()` needs prompts: pass `eval_dataset` to it or to the trainer.")
         step = self.state.global_step
         where = f"Evaluation after update {step}" if step else "Evaluation before training"
-        models, sampling, scoring = self._models(), self._sampling(), self._scoring()
-        metrics = evaluation_metrics(dataset, self.data_collator, models, sampling, scoring, self.args, where)
+        pieces = (self.data_collator, self._models(), self._sampling(), self._scoring(), self.args, where)
+        metrics = evaluation_metrics(dataset, *pieces, collect=self.collect_rollout)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
         self.log({**metrics, "episode": getattr(self.state, "episode", 0)})  # the episode places it on the curves
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -368,8 +367,8 @@ class PPOTrainer(OnPolicyTrainer):
         whole = not sampling and self.eval_dataset is not None
         count = min(len(dataset), len(dataset) if whole else args.per_device_eval_batch_size)
         pieces = (self.data_collator, self._models(), self._sampling(), self._scoring())
-        where = f"Completions table at update {step}"
-        rows = sample_completions(dataset, count, args.per_device_eval_batch_size, *pieces, where=where)
+        where, play = f"Completions table at update {step}", None if self.agents is None else self.collect_rollout
+        rows = sample_completions(dataset, count, args.per_device_eval_batch_size, *pieces, where=where, play=play)
         if self.accelerator.is_main_process:
             show_table(rows, f"Completions at update {step}", args.report_to, step)
         return rows
@@ -404,8 +403,8 @@ class PPOTrainer(OnPolicyTrainer):
 
     def _update_metrics(self, rollout, rewards: ppo.Rewards, update_stats: dict, scores_per_reward: dict) -> dict:
         """The update's metrics over all processes, with the KL coefficient and learning rate it used."""
-        args = self.args
-        return update_metrics(
+        args, agents = self.args, self.agents
+        return ({} if agents is None else agents.metrics(rollout, self.accelerator)) | update_metrics(
             rollout,
             rewards,
             update_stats,

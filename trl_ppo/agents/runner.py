@@ -1,0 +1,183 @@
+"""`AgentRunner`: what `PPOTrainer` holds when it is given `tools` or `environment_factory`. Checked at
+construction (before any compute); per update it starts one episode per prompt (its environment reset with the
+row), plays the turns with the run's sampler (`turn_loop.run_turns`), and returns the `Rollout` with `logprobs`,
+`ref_logprobs` and `values`, and the `env/` metrics of the episodes."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import torch
+
+from .. import distributed as dist
+from .. import ppo
+from ..config_checks import stop_and_penalty_tokens
+from ..data import LeftPaddingCollator, is_conversational, prompts_on_device
+from ..rewards import Reward
+from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
+from .chat import ToolChat
+from .environments import Environments, environment_reward
+from .tools import schemas, toolbox
+from .turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
+
+ENVIRONMENT_REWARD = "environment"  # the name of the reward that `get_reward()` gives
+
+
+def check_agent_config(args, tools, environment_factory) -> None:
+    """Refuse `max_turns` / `max_tool_response_length` values that cannot work with the tools given."""
+    if args.max_turns < 1:
+        raise ValueError(f"`max_turns` must be at least 1, got {args.max_turns}.")
+    if args.max_tool_response_length is not None and args.max_tool_response_length < 1:
+        raise ValueError(
+            f"`max_tool_response_length` must be at least 1 (or None: no limit), got {args.max_tool_response_length}."
+        )
+    agentic = bool(tools) or environment_factory is not None
+    if agentic and args.max_turns < 2:
+        raise ValueError(
+            f"`tools` / `environment_factory` are given but `max_turns` is {args.max_turns}: the model's tool calls "
+            "would never be answered. Set `max_turns` to 2 or more."
+        )
+    if not agentic and args.max_turns > 1:
+        raise ValueError(
+            f"`max_turns` is {args.max_turns} but there are no `tools` and no `environment_factory`: a turn after the "
+            "first needs a tool answer. Pass `tools=` or `environment_factory=` to the trainer, or set `max_turns=1`."
+        )
+
+
+class AgentRunner:
+    """Multi-turn episodes with `tools` (plain functions) and/or an `environment_factory`; see the module."""
+
+    def __init__(self, args, tokenizer, tools, environment_factory, stop_token_id: int | None, columns) -> None:
+        check_agent_config(args, tools, environment_factory)
+        self.tokenizer, self.tools = tokenizer, list(tools or [])
+        self.environments = None if environment_factory is None else Environments(environment_factory, columns)
+        makers = list(environment_factory.values()) if isinstance(environment_factory, Mapping) else []
+        makers = makers or ([environment_factory] if environment_factory is not None else [])
+        shown = {}  # every tool any episode may have, from one probe instance of each environment class
+        for maker in makers or [None]:
+            shown.update(toolbox(self.tools, None if maker is None else maker()))
+        self.chat = ToolChat(tokenizer, schemas(shown), stop_token_id) if (self.tools or makers) else None
+        self.has_environment_reward = any(hasattr(maker, "get_reward") for maker in makers)
+        self.episodes: list[Episode] = []  # those of the latest rollout
+
+    # ------------------------------------------------------------------------------------------ episodes
+    def start_episodes(self, batch: dict) -> list[Episode]:
+        """One episode per row of a collated batch: its environment made and reset with the row, its prompt
+        rendered with its tools (chat-message prompts) and with the text `reset` returned."""
+        columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
+        episodes = []
+        queries, query_mask = prompts_on_device(batch, "cpu", self.tokenizer.pad_token_id)
+        for i, (ids, mask) in enumerate(zip(queries, query_mask)):
+            row = {key: values[i] for key, values in columns.items()}
+            environment, added = self.environments.create(row) if self.environments is not None else (None, None)
+            tools = toolbox(self.tools, environment)
+            query = self._prompt(ids[mask].tolist(), row.get("prompt"), tools, added)
+            episodes.append(Episode(query, tools, environment))
+        return episodes
+
+    def _prompt(self, ids: list[int], prompt, tools, added: str | None) -> list[int]:
+        if self.chat is not None and is_conversational(prompt):
+            messages = copy.deepcopy(list(prompt))
+            if added:
+                messages[-1]["content"] = f"{messages[-1]['content']}\n\n{added}"
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=schemas(tools), tokenize=False, add_generation_prompt=True
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return ids + (self.tokenizer.encode(added, add_special_tokens=False) if added else [])
+
+    def collect(self, batch: dict, models, sampling: Sampling, args) -> Rollout:
+        """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`.
+        The batch gains an `environments` column (reward functions receive it)."""
+        episodes = self.start_episodes(batch)
+        sync = dist.deepspeed_zero_stage(models.accelerator) == 3 and models.accelerator.num_processes > 1
+        device = models.accelerator.device
+        run_turns(
+            episodes,
+            turn_sampler(models, sampling),
+            self.chat,
+            args.max_turns,
+            args.response_length,
+            args.max_tool_response_length,
+            any_process=(lambda flag: not dist.all_processes(not flag, device)) if sync else None,
+            idle_context=[sampling.pad_token_id],
+        )
+        batch["environments"] = [episode.environment for episode in episodes]
+        self.episodes = episodes
+        rollout = episodes_rollout(episodes, sampling.pad_token_id, args.response_length, device)
+        return add_logprobs_and_values(rollout, models, args)
+
+    # ----------------------------------------------------------------------------------- rewards, metrics
+    def environment_reward(self) -> Reward | None:
+        """The reward of the environments' `get_reward()` (None when no environment class has one)."""
+        return Reward(environment_rewards, ENVIRONMENT_REWARD) if self.has_environment_reward else None
+
+    @torch.no_grad()
+    def metrics(self, rollout: Rollout, accelerator) -> dict[str, float]:
+        """`env/turns_mean`, `env/tool_calls_mean` (per episode), `env/tool_errors` (failed calls this update),
+        `env/truncated_frac` (episodes cut by the budget or `max_turns`), `env/truncated_tool_responses` and
+        `val/env_token_frac` (of the tokens after the prompts, those of tools and environments), over all
+        processes."""
+        episodes = self.episodes
+        if rollout.turn_rewards is None:  # episodes given to `step()`, not played here
+            return {}
+        counts = [
+            sum(e.turns for e in episodes),
+            sum(e.tool_calls for e in episodes),
+            sum(e.tool_errors for e in episodes),
+            sum(e.truncated for e in episodes),
+            sum(e.truncated_answers for e in episodes),
+            len(episodes),
+            float((rollout.attended_responses & ~rollout.response_mask).sum()),
+            float(rollout.attended_responses.sum()),
+        ]
+        total = accelerator.gather(torch.tensor([counts], dtype=torch.float64, device=accelerator.device)).sum(0)
+        turns, calls, errors, truncated, cut, count, env_tokens, tokens = total.tolist()
+        return {
+            "env/turns_mean": turns / max(count, 1),
+            "env/tool_calls_mean": calls / max(count, 1),
+            "env/tool_errors": errors,
+            "env/truncated_frac": truncated / max(count, 1),
+            "env/truncated_tool_responses": cut,
+            "val/env_token_frac": env_tokens / max(tokens, 1),
+        }
+
+
+def environment_rewards(prompts, completions, environments=None, **columns) -> list[float | None]:
+    """Each episode's `environment.get_reward()`; None (no score) where the batch has no environments (prompts
+    sampled outside the turn loop, as in evaluation)."""
+    if environments is None:
+        return [None] * len(completions)
+    return [environment_reward(environment) for environment in environments]
+
+
+def turn_sampler(models, sampling: Sampling) -> TurnSampler:
+    """The run's sampler as `turn_loop.TurnSampler`: contexts left-padded, sampled in one call, each turn cut
+    after its stop token."""
+    collate = LeftPaddingCollator(sampling.pad_token_id)
+
+    def sample_turn(contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        batch = collate([{"input_ids": context} for context in contexts])
+        device = models.accelerator.device
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device).bool()
+        responses = sample_responses(models, ids, mask, sampling, max_new_tokens=max_new_tokens)
+        kept = ppo.response_mask_after_stop(responses, sampling.stop_token_id)
+        return [row[keep].tolist() for row, keep in zip(responses, kept)]
+
+    return sample_turn
+
+
+def agent_runner(args, tokenizer, tools, environment_factory, rewards: list[Reward], train_dataset):
+    """The trainer's `AgentRunner`, or None for single-turn sampling (no tools, no environments, `max_turns=1`);
+    the environments' `get_reward()` joins `rewards` as the reward named "environment"."""
+    if not tools and environment_factory is None:
+        check_agent_config(args, tools, environment_factory)
+        return None
+    columns = None if train_dataset is None else list(train_dataset.column_names)
+    stop_token_id = stop_and_penalty_tokens(args, tokenizer)[0]
+    runner = AgentRunner(args, tokenizer, tools, environment_factory, stop_token_id, columns)
+    reward = runner.environment_reward()
+    if reward is not None:
+        rewards.append(reward)
+    return runner

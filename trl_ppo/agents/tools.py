@@ -1,0 +1,73 @@
+"""Tools: plain functions (sync or `async def`) and the public methods of an episode's environment, each with the
+JSON schema that chat templates take (`apply_chat_template(..., tools=...)`), made by transformers' own
+`get_json_schema` from type hints and the docstring (a description, and `Args:` for every parameter)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from transformers.utils import get_json_schema
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable the model may call by `name`, and the JSON schema its chat template lists it with."""
+
+    name: str
+    function: Callable
+    schema: dict
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.function)
+
+
+def make_tool(function: Callable, where: str) -> Tool:
+    """`function` as a `Tool`; one whose schema cannot be made is an error naming it and saying what to add."""
+    if not callable(function):
+        raise TypeError(f"{where}: {function!r} is not callable; tools are functions (sync or `async def`).")
+    name = getattr(function, "__name__", repr(function))
+    try:
+        schema = get_json_schema(function)
+    except Exception as error:  # transformers raises a few kinds (no docstring, undocumented argument, no hint)
+        raise ValueError(
+            f"{where}: cannot describe the tool `{name}` to the model ({error}). A tool needs a type hint for "
+            "every parameter and a Google-style docstring: a one-line description, then `Args:` with one line per "
+            "parameter."
+        ) from error
+    return Tool(schema["function"]["name"], function, schema)
+
+
+def public_methods(instance) -> list[Callable]:
+    """The tools an environment offers: its public methods (bound to it), except `reset` and `get_reward`."""
+    methods = []
+    for name, _ in inspect.getmembers(type(instance), callable):
+        if name.startswith("_") or name in ("reset", "get_reward"):
+            continue
+        methods.append(getattr(instance, name))
+    return methods
+
+
+def toolbox(functions: Sequence[Callable], environment=None, where: str = "`tools`") -> dict[str, Tool]:
+    """{name: Tool} of the plain `functions` and the `environment`'s public methods; two tools with one name are
+    an error (the model could not tell them apart)."""
+    tools: dict[str, Tool] = {}
+    named = [(function, where) for function in functions]
+    if environment is not None:
+        source = f"`environment_factory` ({type(environment).__name__})"
+        named += [(method, source) for method in public_methods(environment)]
+    for function, source in named:
+        tool = make_tool(function, source)
+        if tool.name in tools:
+            raise ValueError(
+                f"{source}: two tools are named `{tool.name}`; the model calls tools by name, so rename one."
+            )
+        tools[tool.name] = tool
+    return tools
+
+
+def schemas(tools: dict[str, Tool]) -> list[dict]:
+    """The tools' JSON schemas, in the order given: what `apply_chat_template(..., tools=...)` takes."""
+    return [tool.schema for tool in tools.values()]
