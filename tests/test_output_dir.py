@@ -27,7 +27,7 @@ def run_ids(output_dir) -> dict:
     ids = {}
     for path in checkpoint_folders(str(output_dir)):
         assert checkpoint_problem(path) is None, path
-        ids[os.path.basename(path)] = read_json(os.path.join(path, PPO_STATE_NAME))["run_id"]
+        ids[os.path.basename(path)] = read_json(os.path.join(path, PPO_STATE_NAME)).get("run_id")
     return ids
 
 
