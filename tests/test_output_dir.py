@@ -157,5 +157,5 @@ def test_the_default_job_twice_writes_two_folders_and_an_explicit_earlier_one_is
 
     earlier = str(tmp_path / "trl_ppo_default_run" / runs[0])
     with pytest.raises(SystemExit, match=r"holds an earlier run .*--overwrite_output_dir"):
-        main([*TINY_DEFAULT_JOB, "--output_dir", earlier])
+        main([*TINY_DEFAULT_JOB, "--output-dir", earlier])  # the dashed alias counts as given too
     main([*TINY_DEFAULT_JOB, "--output_dir", earlier, "--overwrite_output_dir"])

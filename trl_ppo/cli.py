@@ -282,7 +282,9 @@ def train_and_save(
 
 
 def flag_given(argv: list[str], name: str) -> bool:
-    return any(arg == f"--{name}" or arg.startswith(f"--{name}=") for arg in argv)
+    """Whether `--name` (or its alias `--na-me`) is in `argv`."""
+    flags = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(arg.split("=", 1)[0] in flags for arg in argv)
 
 
 def default_run_folder(base: str, resume: bool) -> str:

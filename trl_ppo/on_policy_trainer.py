@@ -176,7 +176,8 @@ class OnPolicyTrainer(Trainer):
     # ------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:
         """Write `checkpoint-<update>` of a run driven by `step()` now (weights, optimizer, scheduler, run state
-        with the KL coefficient and score moments, RNG) -> its path. `train()` saves by `save_strategy` itself."""
+        with the KL coefficient and score moments, RNG) -> its path. `train()` saves by `save_strategy` itself.
+        Refused where `output_dir` holds another run's checkpoints (`checkpoint.ownership`)."""
         if not self._training_active:
             self._start_run(None)
         return self._write_checkpoint()

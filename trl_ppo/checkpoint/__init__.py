@@ -6,11 +6,12 @@ A checkpoint folder `checkpoint-<update>` holds:
 * `optimizer.pt`, `scheduler.pt` (and a scaler), from `transformers.Trainer`;
 * `rng_state_<process>.pth`: every RNG of each process (`rng.py`);
 * `trainer_state.json`: `PPOTrainerState` (update, episode, log history, stateful callbacks);
-* `trl_ppo_state.json`: the `RunState` and the run's identity (`identity.py`);
+* `trl_ppo_state.json`: the `RunState` (with the run id, `ownership.py`) and the run's identity (`identity.py`);
 * `manifest.json`, written last: every other file's size and SHA-256 (`manifest.py`), verified before a resume
   loads anything.
-It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`). A save that
-fails removes its partial folder and raises `CheckpointSaveError`; the earlier checkpoints are untouched.
+It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`), unless
+`output_dir` holds a checkpoint of another run (`ownership.py`). A save that fails removes its partial folder and
+raises `CheckpointSaveError`; the earlier checkpoints are untouched.
 """
 
 from __future__ import annotations

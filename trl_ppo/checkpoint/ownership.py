@@ -39,15 +39,14 @@ def recorded_run(path: str) -> tuple[str | None, dict] | None:
     return state.get("run_id"), identity if isinstance(identity, dict) else {}
 
 
-def checkpoints_of_other_runs(output_dir: str, run_id: str, identity: dict, target: str | None = None) -> list[str]:
+def checkpoints_of_other_runs(output_dir: str, run_id: str, identity: dict) -> list[str]:
     """Each checkpoint in `output_dir` that another run wrote, as `"<path> (run <id>)"`. One whose run state
-    cannot be read counts only when it is `target`, the folder about to be replaced: it may be anyone's."""
+    cannot be read is not counted: it cannot be resumed, and only a resumed run meets it (a fresh run refuses any
+    checkpoint), after being warned that it skipped it; it is then replaced, as before run ids."""
     found = []
     for path in checkpoint_folders(output_dir):
         recorded = recorded_run(path)
         if recorded is None:
-            if target is not None and os.path.abspath(path) == os.path.abspath(target):
-                found.append(f"{path} (its {PPO_STATE_NAME} cannot be read: which run wrote it is unknown)")
             continue
         their_id, their_identity = recorded
         if their_id is None:  # an older trl_ppo's: the same identity is the same run
@@ -76,7 +75,7 @@ def run_to_continue(output_dir: str, checkpoint: str | None, identity: dict) -> 
 def refuse_checkpoints_of_other_runs(output_dir: str, run_id: str, identity: dict, target: str) -> None:
     """Just before checkpoint `target` is renamed into place: raise `CheckpointOfAnotherRunError` naming this
     run and the other's checkpoints if `output_dir` holds any (two runs started in one folder), keeping them."""
-    others = checkpoints_of_other_runs(output_dir, run_id, identity, target)
+    others = checkpoints_of_other_runs(output_dir, run_id, identity)
     if others:
         raise CheckpointOfAnotherRunError(
             f"Not writing {target}: `output_dir` ({output_dir}) holds checkpoints of another run: {others}; this "
