@@ -135,6 +135,35 @@ def test_overwrite_output_dir_starts_afresh_and_resuming_ignores_it(
     assert set(run_ids(first.args.output_dir).values()) == {again.run.run_id} != {first.run.run_id}
 
 
+def test_a_legacy_script_run_again_into_its_output_dir_is_refused_at_its_first_step(tmp_path, tokenizer):
+    """`trl_ppo.legacy`'s `save_checkpoint()` goes through the same rule: the second run of a script stops at its
+    first `step()`, before any update, and the first run's checkpoint is untouched."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trl_ppo.legacy import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+
+    torch.manual_seed(0)
+    gpt2 = GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=len(tokenizer))
+    GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+
+    def script_run():
+        config = PPOConfig(batch_size=8, mini_batch_size=4, seed=len(os.listdir(tmp_path)))
+        config.output_dir = str(tmp_path / "run")
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "gpt2"))
+        return PPOTrainer(config, model, None, tokenizer)
+
+    queries, responses, scores = episodes(tokenizer)
+    scores = [torch.tensor(score) for score in scores]  # trl 0.11's `step()` takes tensors
+    first = script_run()
+    first.step(queries, responses, scores)
+    first.save_checkpoint()
+    before = snapshot(tmp_path / "run")
+    again = script_run()
+    with pytest.raises(ValueError, match="already holds checkpoints .*`load_checkpoint\\(\\)` for a run driven by"):
+        again.step(queries, responses, scores)
+    assert again.trainer.state.global_step == 0 and snapshot(tmp_path / "run") == before
+
+
 # ------------------------------------------------------------------------------------------------ trl-ppo
 TINY_DEFAULT_JOB = ["--total_episodes", "32", "--num_sample_generations", "0", "--logging_steps", "1"]
 
@@ -159,3 +188,5 @@ def test_the_default_job_twice_writes_two_folders_and_an_explicit_earlier_one_is
     with pytest.raises(SystemExit, match=r"holds an earlier run .*--overwrite_output_dir"):
         main([*TINY_DEFAULT_JOB, "--output-dir", earlier])  # the dashed alias counts as given too
     main([*TINY_DEFAULT_JOB, "--output_dir", earlier, "--overwrite_output_dir"])
+    with pytest.raises(ValueError, match=rf"no complete checkpoint in `output_dir` \(.*{runs[-1]}\)"):
+        main([*TINY_DEFAULT_JOB, "--resume_from_checkpoint", "latest"])  # resumes the newest folder: none saved
