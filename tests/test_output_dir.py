@@ -44,13 +44,14 @@ def snapshot(output_dir) -> dict:
 def test_a_step_api_run_after_a_train_run_never_touches_its_checkpoints(
     make_config, tokenizer, load_models, prompt_dataset
 ):
-    trained = build_trainer(make_config(save_strategy="steps", save_steps=1), tokenizer, load_models, prompt_dataset)
+    config = make_config(total_episodes=8, save_strategy="steps", save_steps=1)  # one update
+    trained = build_trainer(config, tokenizer, load_models, prompt_dataset)
     trained.train()
     before = snapshot(trained.args.output_dir)
-    assert set(run_ids(trained.args.output_dir)) == {"checkpoint-1", "checkpoint-2"}
+    assert set(run_ids(trained.args.output_dir)) == {"checkpoint-1"}
 
     stepped = build_trainer(make_config(save_strategy="no"), tokenizer, load_models)
-    with pytest.raises(ValueError, match=r"already holds checkpoints of a finished run .*update 2 of 2"):
+    with pytest.raises(ValueError, match=r"already holds checkpoints of a finished run .*update 1 of 1"):
         stepped.step(*episodes(tokenizer))
     with pytest.raises(ValueError, match="overwrite_output_dir=True"):
         stepped.save_checkpoint()
@@ -93,7 +94,7 @@ def test_two_train_runs_started_before_either_saved_keep_the_first_ones_checkpoi
     make_config, tokenizer, load_models, prompt_dataset
 ):
     """The same settings, the same models: only the run id tells the two runs apart."""
-    config = dict(save_strategy="steps", save_steps=1)
+    config = dict(total_episodes=8, save_strategy="steps", save_steps=1)  # one update each
     first = build_trainer(make_config(**config), tokenizer, load_models, prompt_dataset)
     second = build_trainer(
         make_config(**config), tokenizer, load_models, prompt_dataset, callbacks=[RunAnotherTrainingFirst(first)]
@@ -101,7 +102,7 @@ def test_two_train_runs_started_before_either_saved_keep_the_first_ones_checkpoi
     with pytest.raises(CheckpointOfAnotherRunError, match=r"Not writing .*checkpoint-1: .*holds checkpoints of anoth"):
         second.train()
     ids = run_ids(first.args.output_dir)
-    assert set(ids) == {"checkpoint-1", "checkpoint-2"} and set(ids.values()) == {first.run.run_id}
+    assert set(ids) == {"checkpoint-1"} and set(ids.values()) == {first.run.run_id}
     assert second.run.run_id != first.run.run_id
 
 
@@ -109,20 +110,20 @@ def test_a_resumed_run_refuses_an_output_dir_holding_another_runs_checkpoints(
     make_config, tokenizer, load_models, prompt_dataset, tmp_path
 ):
     """Resumed from a checkpoint elsewhere into a folder of another run: refused before any update."""
-    config = dict(save_strategy="steps", save_steps=2)
+    config = dict(total_episodes=8, save_strategy="steps", save_steps=1)
     build_trainer(make_config(**config), tokenizer, load_models, prompt_dataset).train()
     elsewhere = make_config(output_dir=str(tmp_path / "b"), **config)
     build_trainer(elsewhere, tokenizer, load_models, prompt_dataset).train()
     resumed = build_trainer(make_config(**config), tokenizer, load_models, prompt_dataset)
     with pytest.raises(CheckpointOfAnotherRunError, match="holds checkpoints of another run"):
-        resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+        resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-1"))
     assert resumed.state.global_step == 0
 
 
 def test_overwrite_output_dir_starts_afresh_and_resuming_ignores_it(
     make_config, tokenizer, load_models, prompt_dataset, caplog
 ):
-    config = dict(save_strategy="steps", save_steps=1)
+    config = dict(total_episodes=8, save_strategy="steps", save_steps=1)
     first = build_trainer(make_config(**config), tokenizer, load_models, prompt_dataset)
     first.train()
     resumed = build_trainer(make_config(overwrite_output_dir=True, **config), tokenizer, load_models, prompt_dataset)
@@ -165,7 +166,10 @@ def test_a_legacy_script_run_again_into_its_output_dir_is_refused_at_its_first_s
 
 
 # ------------------------------------------------------------------------------------------------ trl-ppo
-TINY_DEFAULT_JOB = ["--total_episodes", "32", "--num_sample_generations", "0", "--logging_steps", "1"]
+TINY_DEFAULT_JOB = [  # one small update
+    *("--total_episodes", "8", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"),
+    *("--num_ppo_epochs", "1", "--response_length", "4", "--num_sample_generations", "0", "--logging_steps", "1"),
+]
 
 
 def test_the_default_job_twice_writes_two_folders_and_an_explicit_earlier_one_is_refused(
