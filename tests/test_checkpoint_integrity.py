@@ -230,3 +230,16 @@ def test_a_save_that_fails_on_a_write_error_keeps_the_earlier_checkpoints(
     resumed = run_script("write_error_run.py", output_dir, "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "DONE 3" in resumed.stdout and "Resuming from " + str(output_dir / "checkpoint-1") in resumed.stderr
+
+
+def test_a_manifest_entry_without_a_size_names_the_manifest_and_the_entry(tmp_path):
+    """A hand-edited or damaged manifest.json (issue 28, item 15): not a bare `KeyError: 'size'`."""
+    (tmp_path / "a.bin").write_bytes(b"0123456789")
+    manifest = manifest_of(str(tmp_path))
+    del manifest["files"]["a.bin"]["size"]
+    write_json(str(tmp_path / MANIFEST_NAME), manifest)
+    problem = checkpoint_problem(str(tmp_path))
+    assert f"{MANIFEST_NAME} is damaged: its entry for 'a.bin'" in problem and "integer `size`" in problem
+    manifest["files"]["a.bin"] = "84d89877"  # an entry that is not a mapping
+    write_json(str(tmp_path / MANIFEST_NAME), manifest)
+    assert "its entry for 'a.bin' ('84d89877')" in checkpoint_problem(str(tmp_path))

@@ -333,3 +333,24 @@ def test_the_run_state_survives_a_json_round_trip_whole():
     assert restored.metrics_since_log.pop() == {"objective/scores": 1.5, "lr": 1e-3}
     assert (restored.policy_loss_sum, restored.skipped_updates) == (-0.25, 1)
     assert set(saved) == {f.name for f in dataclasses.fields(RunState)} - {"last_checkpoint"}
+
+
+def test_resume_with_other_prompts_lists_them_and_with_fewer_rows_refuses(
+    make_config, tokenizer, load_models, prompt_dataset, caplog
+):
+    """Issue 28, item 13: the checkpoint records the prompts (rows and a hash of their token ids). Fewer rows make
+    another shuffled order, refused; as many other prompts continue the order, listed with the other changes."""
+    make(make_config, tokenizer, load_models, prompt_dataset, total_episodes=16).train()  # checkpoint-2
+    fewer = make(make_config, tokenizer, load_models, prompt_dataset.select(range(48)), total_episodes=16)
+    with pytest.raises(ValueError, match=r"`train_dataset`: 64 prompts in the checkpoint, 48 now \(the shuffled"):
+        fewer.train(resume_from_checkpoint=True)
+    other = prompt_dataset.map(lambda row: {"prompt": row["prompt"] + " good"})
+    resumed = make(make_config, tokenizer, load_models, other, total_episodes=16)
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=True)
+    assert "`train_dataset`: other prompts than the checkpoint's (64 rows, another token-id hash)" in caplog.text
+    same = make(make_config, tokenizer, load_models, prompt_dataset, total_episodes=16)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        same.train(resume_from_checkpoint=True)
+    assert "train_dataset" not in caplog.text

@@ -20,6 +20,7 @@ import sys
 from transformers import HfArgumentParser
 
 from .config import PPOConfig
+from .output_dirs import check_output_dir, default_run_folder, describe_output_dir, flag_given
 from .script_args import ModelConfig, ScriptArguments, get_kbit_device_map, get_peft_config, get_quantization_config
 
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -36,6 +37,7 @@ def build_parser() -> HfArgumentParser:
         default=None,
         help="A YAML file of options: keys are the flag names without `--`; flags on the command line win.",
     )
+    describe_output_dir(parser)
     return parser
 
 
@@ -269,12 +271,17 @@ def train_and_save(
 
 
 def run_default_job(argv: list[str]) -> None:
-    """Train the tiny embedded policy with the sentiment reward (on the shipped prompts by default)."""
+    """Train the tiny embedded policy with the sentiment reward (on the shipped prompts by default), into a new
+    folder under `trl_ppo_default_run/` unless `--output_dir` is given."""
     from . import default_job
 
+    if not flag_given(argv, "output_dir"):
+        base = default_job.DEFAULT_JOB_SETTINGS["output_dir"]
+        argv = [*argv, "--output_dir", default_run_folder(base, flag_given(argv, "resume_from_checkpoint"))]
     script_args, training_args, model_args, _ = build_parser().parse_args_into_dataclasses(
         args=default_job.DEFAULT_JOB_FLAGS + argv
     )
+    check_output_dir(training_args)
     tokenizer = default_job.build_word_tokenizer()
     policy, value_model = default_job.build_tiny_models(tokenizer)
     train_and_save(
@@ -325,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
             run_default_job(argv)
         else:
             check_model_flags(training_args, model_args, argv)
+            check_output_dir(training_args)
             run_from_models(script_args, training_args, model_args)
     else:
         raise SystemExit(f"trl-ppo: unknown command {command!r}: use `train` (the default), `plot` or `env`.")

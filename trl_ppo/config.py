@@ -164,6 +164,13 @@ class OnPolicyConfig(TrainingArguments):
         metadata={"help": "Episodes per minibatch over all processes (derived by the trainer; do not set)."},
     )
     push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the model to the Hub after training."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a fresh run in an `output_dir` holding an earlier run's checkpoints (deleted when the run "
+            "starts) or, for `trl-ppo`, its saved model (replaced at the end). Ignored when resuming."
+        },
+    )
 
     def __post_init__(self):
         check_fields(self)  # types, finite numbers, bounds: before anything reads them

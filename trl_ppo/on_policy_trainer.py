@@ -100,9 +100,9 @@ class OnPolicyTrainer(Trainer):
         return PreparedModels(self.accelerator, self.model, None)
 
     # -------------------------------------------------------------------------------------- bookkeeping
-    def _new_run_state(self) -> None:
+    def _new_run_state(self, run_id: str | None = None) -> None:
         """The one place a run's mutable state is created (at construction, and afresh by each `train()`)."""
-        self.run = RunState(kl_coef=self.args.kl_coef)
+        self.run = RunState(kl_coef=self.args.kl_coef, run_id=run_id)
 
     def _new_trainer_state(self, log_history: list | None = None) -> PPOTrainerState:
         return PPOTrainerState(
@@ -112,11 +112,21 @@ class OnPolicyTrainer(Trainer):
             log_history=log_history or [],
         )
 
-    def _begin_training(self, checkpoint: str | None) -> None:
-        """A fresh run state and trainer state, or those of `checkpoint`; then the callbacks' `on_train_begin`."""
+    def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
+        """Begin a run of `train()` or `step()`: fresh (None; `output_dir` must hold no checkpoint, unless
+        `overwrite_output_dir`) or resumed (a checkpoint, or True for the newest in `output_dir`)."""
         args = self.args
+        start = ckpt.start_checkpoint(
+            args.output_dir, resume_from_checkpoint, self.accelerator, self._run_identity, args.overwrite_output_dir
+        )
+        self._begin_training(start)
+
+    def _begin_training(self, start: ckpt.RunStart) -> None:
+        """A fresh run state and trainer state, or those of `start.checkpoint`; then the callbacks'
+        `on_train_begin`."""
+        args, checkpoint = self.args, start.checkpoint
         earlier_logs = self.state.log_history  # e.g. an `evaluate()` before training: kept in a fresh run
-        self._new_run_state()
+        self._new_run_state(start.run_id)
         self.state = self._new_trainer_state(earlier_logs if checkpoint is None else None)
         if checkpoint is not None:
             self._restore_checkpoint(checkpoint)
@@ -173,9 +183,10 @@ class OnPolicyTrainer(Trainer):
     # ------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:
         """Write `checkpoint-<update>` of a run driven by `step()` now (weights, optimizer, scheduler, run state
-        with the KL coefficient and score moments, RNG) -> its path. `train()` saves by `save_strategy` itself."""
+        with the KL coefficient and score moments, RNG) -> its path. `train()` saves by `save_strategy` itself.
+        Refused where `output_dir` holds another run's checkpoints (`checkpoint.ownership`)."""
         if not self._training_active:
-            self._begin_training(None)
+            self._start_run(None)
         return self._write_checkpoint()
 
     def load_checkpoint(self, checkpoint: str | bool = True) -> int:
@@ -183,7 +194,7 @@ class OnPolicyTrainer(Trainer):
         `output_dir`): the next `step()` is then the update after it. -> the number of updates it had done."""
         if checkpoint in (None, False):
             raise ValueError("`load_checkpoint` needs a checkpoint folder, or True for the newest in `output_dir`.")
-        self._begin_training(ckpt.start_checkpoint(self.args.output_dir, checkpoint, self.accelerator))
+        self._start_run(checkpoint)
         return self.state.global_step
 
     def _write_checkpoint(self, resume_point: ckpt.ResumePoint | None = None) -> str:

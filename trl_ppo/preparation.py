@@ -97,11 +97,13 @@ def prepare_data(args, tokenizer, train_dataset, eval_dataset, policy: nn.Module
     return train_dataset, eval_dataset
 
 
-def initial_fingerprints(policy, ref_model, value_model, rewards: list[Reward]) -> dict:
-    """A fingerprint of every model the run starts from, by role: a resume must start from the same ones."""
+def initial_fingerprints(policy, ref_model, value_model, rewards: list[Reward], train_dataset=None) -> dict:
+    """A fingerprint of every model the run starts from, by role (a resume must start from the same ones), and of
+    the prepared prompts (`train_dataset`: compared on resume, see `identity.prompts_changes`)."""
     models = {"policy": policy, "ref_model": ref_model, "value_model": value_model}
     models.update({f"reward:{reward.name}": reward.source for reward in rewards if reward.is_model})
-    return {f"{name}_fingerprint": ckpt.model_fingerprint(module) for name, module in models.items()}
+    fingerprints = {f"{name}_fingerprint": ckpt.model_fingerprint(module) for name, module in models.items()}
+    return {**fingerprints, "train_dataset": ckpt.prompts_fingerprint(train_dataset)}
 
 
 def prepare_all_models(args, tokenizer, policy, ref_model, value_model, rewards: list[Reward], peft_config) -> tuple:

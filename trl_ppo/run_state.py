@@ -34,6 +34,9 @@ class RunState:
     metrics_since_log: MetricsSinceLog = field(default_factory=MetricsSinceLog)  # averaged at the next log
     policy_loss_sum: float = 0.0  # over all updates, for `TrainOutput.training_loss`
     skipped_updates: int = 0  # updates skipped for a non-finite loss (`skip_nonfinite_updates`)
+    # Which run this is (`checkpoint.ownership.new_run_id`), kept through resumes: a checkpoint never replaces, or
+    # is written beside, one of another run.
+    run_id: str | None = None
     # (update, folder) of the newest checkpoint written or resumed from: not saved, it is where the state is.
     last_checkpoint: tuple[int, str] | None = None
 
@@ -46,6 +49,7 @@ class RunState:
             "metrics_since_log": self.metrics_since_log.state_dict(),
             "policy_loss_sum": self.policy_loss_sum,
             "skipped_updates": self.skipped_updates,
+            "run_id": self.run_id,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -55,3 +59,4 @@ class RunState:
         self.metrics_since_log.load_state_dict(state["metrics_since_log"])
         self.policy_loss_sum = state["policy_loss_sum"]
         self.skipped_updates = state["skipped_updates"]
+        self.run_id = state.get("run_id", self.run_id)  # checkpoints of an older trl_ppo have none

@@ -105,7 +105,7 @@ class PPOTrainer(OnPolicyTrainer):
         self.agents = agent_runner(args, tokenizer, tools, environment_factory, rewards, train_dataset)
         model = with_value_function(model, value_model, args.seed)
         train_dataset, eval_dataset = prepare_data(args, tokenizer, train_dataset, eval_dataset, model, rewards)
-        fingerprints = initial_fingerprints(model, ref_model, value_model, rewards)
+        fingerprints = initial_fingerprints(model, ref_model, value_model, rewards, train_dataset)
         model, ref_model = prepare_all_models(args, tokenizer, model, ref_model, value_model, rewards, peft_config)
 
         self.stop_token_id, self.penalty_token_id = stop_and_penalty_tokens(args, tokenizer)
@@ -160,7 +160,7 @@ class PPOTrainer(OnPolicyTrainer):
         if self.train_dataset is None:
             raise ValueError("`train()` samples from `train_dataset`, and none was given (use `step()` without one).")
         self._scoring()  # without a reward, fail before any compute
-        self._begin_training(ckpt.start_checkpoint(args.output_dir, resume_from_checkpoint, self.accelerator))
+        self._start_run(resume_from_checkpoint)
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
         batches = data.batches_forever(self.train_dataloader, self._sampler, self.run)
@@ -305,7 +305,7 @@ class PPOTrainer(OnPolicyTrainer):
         the seconds each phase took (`trl_ppo.legacy` reports both)."""
         clock = episodes.PhaseClock()
         if not self._training_active:  # the first step (or the first after `train()` ended)
-            self._begin_training(None)
+            self._start_run(None)
         pad_token_id, device = self.processing_class.pad_token_id, self.accelerator.device
         rollout = self.add_logprobs_and_values(
             episodes.rollout_of(queries, responses, pad_token_id, device, response_masks)

@@ -6,12 +6,13 @@ A checkpoint folder `checkpoint-<update>` holds:
 * `optimizer.pt`, `scheduler.pt` (and a scaler), from `transformers.Trainer`;
 * `rng_state_<process>.pth`: every RNG of each process (`rng.py`);
 * `trainer_state.json`: `PPOTrainerState` (update, episode, log history, stateful callbacks);
-* `trl_ppo_state.json`: the `RunState` and the run's identity (`identity.py`);
+* `trl_ppo_state.json`: the `RunState` (with the run id, `ownership.py`) and the run's identity (`identity.py`);
 * `manifest.json`, written last: every other file's size and SHA-256 (`manifest.py`), verified before a resume
   loads anything.
-It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`). A save that
-fails removes its partial folder and raises `CheckpointSaveError`; the earlier checkpoints are untouched. Weights
-holding NaN or infinity are never written: the save raises `FloatingPointError` naming the tensor first.
+It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`), unless
+`output_dir` holds a checkpoint of another run (`ownership.py`). A save that fails removes its partial folder and
+raises `CheckpointSaveError`; the earlier checkpoints are untouched. Weights holding NaN or infinity are never
+written: the save raises `FloatingPointError` naming the tensor first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,8 +39,9 @@ from .folders import (
     staging_folder,
     write_json,
 )
-from .identity import check_resumable, model_fingerprint, run_identity
+from .identity import check_resumable, model_fingerprint, prompts_fingerprint, run_identity
 from .manifest import MANIFEST_NAME, manifest_of
+from .ownership import CheckpointOfAnotherRunError, refuse_checkpoints_of_other_runs, run_to_continue
 from .preemption import PreemptionHandler, stop_requested
 from .rng import capture_rng_state, load_rng_state, rng_file
 from .weights import has_deepspeed_state, load_trained_weights, named_weights, nonfinite_tensor
@@ -96,6 +99,8 @@ def save_checkpoint(
         run_state = {**resume_point.run_state, "identity": identity, "manifest": MANIFEST_NAME}
         write_json(os.path.join(staging, PPO_STATE_NAME), run_state)
         write_json(os.path.join(staging, MANIFEST_NAME), manifest_of(staging))  # last: then it is whole
+        target = os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
+        refuse_checkpoints_of_other_runs(output_dir, resume_point.run_state["run_id"], identity, target)
         final = publish_checkpoint(staging, output_dir, step)
         rotate_checkpoints(output_dir, save_total_limit, keep=final)
         return final
@@ -130,6 +135,8 @@ def _on_all_or_fail(accelerator, write: Callable, staging: str, output_dir: str,
     if failures:
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)  # frees the space a full disk needs
+        if isinstance(cause, CheckpointOfAnotherRunError):  # not a write error: the advice below would not help
+            raise CheckpointOfAnotherRunError(f"{cause} (This run's checkpoint-{step} was not written.)") from None
         kept = latest_checkpoint(output_dir)
         raise CheckpointSaveError(
             f"Saving checkpoint-{step} failed ({'; '.join(failures)}). Its partial folder was removed; the earlier "
@@ -147,24 +154,35 @@ def _gather(accelerator, item) -> list:
     return gather_object([item])
 
 
-def start_checkpoint(output_dir: str, resume_from_checkpoint: str | bool | None, accelerator) -> str | None:
-    """At the start of a run: remove what interrupted saves left behind and choose the checkpoint to resume from
-    (`checkpoint_to_resume`), on the main process only (verifying reads every file once); every process gets
-    the same choice, or raises the same refusal."""
-    outcome = [None, None]  # (checkpoint, refusal)
+class RunStart(NamedTuple):
+    """How a run starts: the checkpoint it resumes from (None: a fresh run) and its run id (`ownership.py`)."""
+
+    checkpoint: str | None
+    run_id: str
+
+
+def start_checkpoint(
+    output_dir: str, resume_from_checkpoint: str | bool | None, accelerator, identity: dict, overwrite: bool = False
+) -> RunStart:
+    """At the start of a run: remove what interrupted saves left behind, choose the checkpoint to resume from
+    (`checkpoint_to_resume`; `overwrite` deletes an earlier run's checkpoints for a fresh run) and the run id,
+    refusing an `output_dir` that holds another run's checkpoints (`ownership.run_to_continue`). On the main
+    process only (verifying reads every file once); every process gets the same start, or the same refusal."""
+    outcome = [None, None, None]  # (checkpoint, run id, refusal)
     if accelerator.is_main_process:
         try:
             remove_unfinished_saves(output_dir)
-            outcome = [checkpoint_to_resume(output_dir, resume_from_checkpoint), None]
-        except ValueError as error:
-            outcome = [None, str(error)]
+            checkpoint = checkpoint_to_resume(output_dir, resume_from_checkpoint, overwrite)
+            outcome = [checkpoint, run_to_continue(output_dir, checkpoint, identity), None]
+        except (ValueError, OSError) as error:  # OSError: deleting with `overwrite`
+            outcome = [None, None, error]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(outcome)
-    if outcome[1] is not None:
-        raise ValueError(outcome[1])
-    return outcome[0]
+    if outcome[2] is not None:
+        raise outcome[2]
+    return RunStart(outcome[0], outcome[1])
 
 
 def read_run_state(path: str, identity: dict, deepspeed: bool) -> dict:
@@ -188,11 +206,13 @@ def read_run_state(path: str, identity: dict, deepspeed: bool) -> dict:
 
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "CheckpointOfAnotherRunError",
     "CheckpointSaveError",
     "PPO_STATE_NAME",
     "STAGING_PREFIX",
     "PreemptionHandler",
     "ResumePoint",
+    "RunStart",
     "checkpoint_to_resume",
     "complete_checkpoints",
     "latest_checkpoint",
@@ -201,6 +221,7 @@ __all__ = [
     "model_fingerprint",
     "named_weights",
     "nonfinite_tensor",
+    "prompts_fingerprint",
     "read_run_state",
     "remove_unfinished_saves",
     "run_identity",

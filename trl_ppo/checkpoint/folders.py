@@ -129,18 +129,26 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str)
         shutil.rmtree(path, ignore_errors=True)
 
 
-def checkpoint_to_resume(output_dir: str, resume_from_checkpoint: str | bool | None) -> str | None:
+def checkpoint_to_resume(
+    output_dir: str, resume_from_checkpoint: str | bool | None, overwrite: bool = False
+) -> str | None:
     """The checkpoint folder to resume from (None for a fresh run), refusing to overwrite an earlier run:
     `resume_from_checkpoint` is a folder (refused, naming the file, unless it verifies), True / "true" /
     "latest" for the newest one in `output_dir` that verifies (the ones skipped are named, with the reason), or
-    None / False for a fresh run (then `output_dir` must hold no checkpoint folder)."""
+    None / False for a fresh run: then `output_dir` must hold no checkpoint folder, or with `overwrite` (the
+    config's `overwrite_output_dir`) the ones it holds are deleted."""
     if resume_from_checkpoint in (None, False):
         existing = checkpoint_folders(output_dir)
-        if existing:
+        if existing and overwrite:
+            for path in existing:
+                shutil.rmtree(path)
+            logger.warning(f"`overwrite_output_dir=True`: deleted the earlier run's checkpoints {existing}.")
+        elif existing:
             raise ValueError(
-                f"`output_dir` ({output_dir}) already holds checkpoints of a run (latest: {existing[-1]}). Resume it "
-                "with `train(resume_from_checkpoint=True)` (`--resume_from_checkpoint latest`), or start a new "
-                "run in another `output_dir`."
+                f"`output_dir` ({output_dir}) already holds checkpoints of {earlier_run(existing[-1])}. Resume it with "
+                "`train(resume_from_checkpoint=True)` (`--resume_from_checkpoint latest`; `load_checkpoint()` for a "
+                "run driven by `step()`), start afresh deleting them with `overwrite_output_dir=True` "
+                "(`--overwrite_output_dir`), or start a new run in another `output_dir`."
             )
         return None
     if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "latest"):
@@ -155,6 +163,18 @@ def checkpoint_to_resume(output_dir: str, resume_from_checkpoint: str | bool | N
             "`resume_from_checkpoint=True` takes the newest checkpoint in `output_dir` that verifies."
         )
     return path
+
+
+def earlier_run(latest: str) -> str:
+    """The run whose newest checkpoint is `latest`, in words: finished, or stopped after update k of n."""
+    try:
+        state = read_json(os.path.join(latest, "trainer_state.json"))
+        done, total = int(state["global_step"]), int(state["max_steps"])
+    except (ValueError, KeyError, TypeError):
+        return f"a run (latest: {latest})"
+    if total and done >= total:
+        return f"a finished run (latest: {latest}, update {done} of {total})"
+    return f"an unfinished run (latest: {latest}, stopped after update {done} of {total})"
 
 
 def newest_verified_checkpoint(output_dir: str) -> str:

@@ -4,6 +4,7 @@ decide the shape of the run, and a fingerprint of each model it started from."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import torch
 from transformers import TrainingArguments
@@ -103,27 +104,63 @@ def run_identity(args, fingerprints: dict, reward_names=()) -> dict:
     """What a checkpoint records about its run: the settings of `MUST_MATCH` and the initial models'
     `fingerprints` (`{"<role>_fingerprint": model_fingerprint(model)}`), which must match to resume, and the
     `config` (`config_snapshot`, with the rewards' names: a function's code cannot be compared, its name can),
-    whose changes are listed."""
+    whose changes are listed. The fingerprints may include `train_dataset` (`prompts_fingerprint`)."""
     config = {**config_snapshot(args), "rewards": list(reward_names)}
     return {**{name: getattr(args, name) for name in MUST_MATCH}, **fingerprints, "config": config}
+
+
+def prompts_fingerprint(dataset) -> dict | None:
+    """A cheap identity of the prompts a run samples from (after preparation: their token ids): the number of rows,
+    which with `seed` fixes the shuffled data order, and a SHA-256 of every row's token ids in order."""
+    if dataset is None or "input_ids" not in getattr(dataset, "column_names", ()):
+        return None
+    import numpy as np
+    import pyarrow.compute as pc
+
+    digest, table = hashlib.sha256(), dataset.with_format("arrow")
+    for start in range(0, len(dataset), 65536):
+        column = table[start : start + 65536].column("input_ids").combine_chunks()
+        digest.update(pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+        digest.update(column.flatten().to_numpy(zero_copy_only=False).astype(np.int64).tobytes())
+    return {"rows": len(dataset), "sha256": digest.hexdigest()}
+
+
+def prompts_changes(saved: dict | None, current: dict | None) -> tuple[list[str], list[str]]:
+    """(refused, allowed) lines for a resume with other prompts: another number of rows is another data order (the
+    saved position in it would point elsewhere), refused; as many other prompts continue the order, listed. A
+    checkpoint of an older trl_ppo, or a run without a `train_dataset`, has nothing to compare."""
+    if not saved or not current or saved == current:
+        return [], []
+    if saved.get("rows") != current["rows"]:
+        line = f"`train_dataset`: {saved.get('rows')} prompts in the checkpoint, {current['rows']} now"
+        return [f"{line} (the shuffled data order, and the saved position in it, would be another)"], []
+    line = f"`train_dataset`: other prompts than the checkpoint's ({current['rows']} rows, another token-id hash)"
+    return [], [f"{line} -> uses the new ones, from the saved position in the data order"]
+
+
+def identity_differences(saved: dict, current: dict) -> list[str]:
+    """Each difference between a saved and the current run identity that makes it another run."""
+    differences = [
+        f"`{key}`: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
+        for key in current
+        if key not in ("config", "train_dataset") and saved.get(key) != current[key]
+    ]
+    refused, _ = config_changes(saved.get("config", {}), current.get("config", {}))  # older checkpoints: none
+    return differences + refused + prompts_changes(saved.get("train_dataset"), current.get("train_dataset"))[0]
 
 
 def check_resumable(saved: dict, current: dict, checkpoint: str) -> None:
     """Raise an error that names every difference between the saved and the current run identity that makes it
     another run; log the allowed setting changes, each with the value used."""
-    differences = [
-        f"`{key}`: checkpoint has {saved.get(key)!r}, this run has {current.get(key)!r}"
-        for key in current
-        if key != "config" and saved.get(key) != current[key]
-    ]
-    refused, allowed = config_changes(saved.get("config", {}), current["config"])  # older checkpoints: none
-    differences += refused
+    differences = identity_differences(saved, current)
+    _, allowed = config_changes(saved.get("config", {}), current["config"])
+    allowed += prompts_changes(saved.get("train_dataset"), current.get("train_dataset"))[1]
     if allowed and not differences:
         logger.warning(f"Resuming from {checkpoint} with changed settings:\n  " + "\n  ".join(allowed))
     if differences:
         raise ValueError(
             f"Cannot resume from {checkpoint}: it was written by a different run.\n  "
             + "\n  ".join(differences)
-            + "\nResume with the same batch layout, seed, models and learning-rate schedule, or start a new run in "
-            "another `output_dir`."
+            + "\nResume with the same batch layout, seed, models, prompts and learning-rate schedule, or start a new "
+            "run in another `output_dir`."
         )

@@ -67,6 +67,11 @@ def read_manifest(folder: str) -> dict[str, dict]:
             raise ValueError("not a trl_ppo manifest")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is damaged ({error})") from None
+    for name, entry in files.items():  # a hand-edited manifest: name the entry rather than fail on it later
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("sha256"), str)):
+            raise ValueError(
+                f"{path} is damaged: its entry for {name!r} ({entry!r}) needs an integer `size` and a `sha256` string"
+            )
     return files
 
 

@@ -1,0 +1,64 @@
+"""Where `trl-ppo` writes, so that no run overwrites an earlier one by accident: the embedded job's new folder per
+run when no `--output_dir` is given, and the refusal of an `--output_dir` that holds a finished run (the trainer
+itself refuses a folder with checkpoints, `checkpoint.folders.checkpoint_to_resume`)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .checkpoint.folders import checkpoint_folders
+from .config import PPOConfig
+
+
+def describe_output_dir(parser) -> None:
+    """`--output_dir`'s help says what `trl-ppo` does without it, not `TrainingArguments`' default."""
+    action = next(action for action in parser._actions if action.dest == "output_dir")
+    action.help = (
+        "Where the model, checkpoints and logs are written. None: the embedded job writes a new folder "
+        "trl_ppo_default_run/<date>_<time> each run (resuming: the newest), a run with --model_name_or_path "
+        "trainer_output/. A folder holding an earlier run is refused: resume it (--resume_from_checkpoint "
+        "latest), pass --overwrite_output_dir, or choose another."
+    )
+
+
+def flag_given(argv: list[str], name: str) -> bool:
+    """Whether `--name` (or its alias `--na-me`) is in `argv`."""
+    flags = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(arg.split("=", 1)[0] in flags for arg in argv)
+
+
+def default_run_folder(base: str, resume: bool) -> str:
+    """The default job's `output_dir` when none is given: a new `<base>/<date>_<time>` folder for each run, so that
+    running the demo again never overwrites an earlier run; when resuming, the newest one. Chosen on the main
+    process and shared with the others (their clocks may read another second)."""
+    from accelerate import PartialState
+
+    state, chosen = PartialState(), [None]
+    if state.is_main_process:
+        earlier = sorted(os.listdir(base)) if os.path.isdir(base) else []
+        name = time.strftime("%Y-%m-%d_%H-%M-%S")
+        if resume and earlier:
+            name = earlier[-1]
+        elif name in earlier:  # two runs within a second
+            name = next(f"{name}-{i}" for i in range(2, len(earlier) + 3) if f"{name}-{i}" not in earlier)
+        chosen = [os.path.join(base, name)]
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(chosen)
+    return chosen[0]
+
+
+def check_output_dir(training_args: PPOConfig) -> None:
+    """`trl-ppo` saves the trained model to `output_dir` at the end: refuse, before anything is loaded, a folder
+    holding an earlier run's (its `trainer_state.json`, written at the end of every run), unless resuming or
+    `--overwrite_output_dir`. A folder with checkpoints is the trainer's to refuse, with its options."""
+    output_dir = training_args.output_dir
+    if training_args.resume_from_checkpoint or training_args.overwrite_output_dir or checkpoint_folders(output_dir):
+        return
+    if os.path.isfile(os.path.join(output_dir, "trainer_state.json")):
+        raise SystemExit(
+            f"trl-ppo: --output_dir {output_dir} holds an earlier run (its trained model and trainer_state.json): "
+            "add --overwrite_output_dir to replace it, or choose another --output_dir."
+        )
