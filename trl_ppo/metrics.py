@@ -13,6 +13,12 @@ from .rollout import Rollout
 LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates", "objective/kl_coef")
 
 
+def episodes_per_second(episodes: int, seconds: float) -> float:
+    """`eps`: episodes per second, rounded to 3 significant digits. A float, not TRL's int, which logs 0 for any
+    run slower than one episode a second (a real model on a CPU)."""
+    return float(f"{episodes / max(seconds, 1e-9):.3g}")
+
+
 @torch.no_grad()
 def update_metrics(
     rollout: Rollout,

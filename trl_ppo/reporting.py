@@ -178,7 +178,7 @@ def show_progress(callbacks: list, metrics: dict) -> None:
         if bar is not None:
             bar.set_postfix(
                 episode=metrics["episode"],
-                eps=metrics["eps"],
+                eps=f"{metrics['eps']:.3g}",
                 score=f"{metrics['objective/scores']:.3g}",
                 kl=f"{metrics['objective/kl']:.3g}",
             )
