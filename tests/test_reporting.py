@@ -266,3 +266,17 @@ def test_progress_bar_shows_eps_as_a_float():
     callback = type("Progress", (), {"training_bar": Bar()})()
     show_progress([callback], {"episode": 8, "eps": 0.0081, "objective/scores": 0.5, "objective/kl": 0.01})
     assert callback.training_bar.postfix["eps"] == "0.0081"
+
+
+def test_every_curve_panel_has_data_from_a_run_without_evaluation(make_config, tokenizer, load_models, prompt_dataset):
+    """The demo does not evaluate: each panel of `training_curves.png` still draws a metric the training logs."""
+    from conftest import build_trainer
+
+    from trl_ppo.reporting import CURVES
+
+    trainer = build_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
+    trainer.train()
+    logged = {name for entry in trainer.state.log_history for name in entry}
+    assert [panel for panel, names in CURVES if not logged.intersection(names)] == []
+    entry = next(entry for entry in trainer.state.log_history if "val/mean_response_length" in entry)
+    assert 1 <= entry["val/mean_response_length"] <= 6  # response_length 6

@@ -33,8 +33,8 @@ def update_metrics(
     report_shaped_scores: bool = False,
     skipped_updates: int | None = None,
 ) -> dict[str, float]:
-    """PPOv2's metrics for one update, averaged (counts: summed) over all processes, with the KL coefficient and
-    learning rate it used (`objective/kl_coef`, `lr`), `objective/shaped_scores` when `report_shaped_scores`, and
+    """PPOv2's metrics for one update and the responses' mean length, averaged (counts: summed) over all
+    processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`), `objective/shaped_scores` when `report_shaped_scores`, and
     `loss/skipped_updates` when `skipped_updates` is given.
 
     rewards: the rollout's KL-shaped rewards; update_stats maps a metric name to its values per micro-batch `[n]`;
@@ -48,6 +48,7 @@ def update_metrics(
         "objective/non_score_reward": non_score_reward,
         "objective/rlhf_reward": non_score_reward + rollout.scores.mean(),
         "objective/scores": rollout.scores.mean(),
+        "val/mean_response_length": mask.sum(1).float().mean(),  # tokens, up to and including the stop token
     }
     if stop_token_id is not None:  # how often responses run to `response_length` without stopping
         local["val/missing_stop_token_frac"] = (

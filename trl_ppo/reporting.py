@@ -19,7 +19,7 @@ CURVES = (
     ("value loss", ("loss/value_avg",)),
     ("clip fractions", ("policy/clipfrac_avg", "val/clipfrac_avg")),
     ("episodes/s", ("eps",)),
-    ("response length", ("eval_val/mean_response_length",)),
+    ("response length", ("val/mean_response_length", "eval_val/mean_response_length")),
 )
 PLOT_FILE = "training_curves.png"
 PLOT_SIZE = (1600, 800)  # pixels: 4 x 2 panels
