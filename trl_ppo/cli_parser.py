@@ -31,50 +31,29 @@ sub-commands:
 # The sections of `--help`, in order: (title, option names). Options of `PPOConfig` that no section names (a new
 # field) go to "other PPO options", so none is ever left out.
 SECTIONS = (
-    (
-        "models and data",
-        ("model_name_or_path", "sft_model_path", "reward_model_path", "dataset_name", "dataset_config",
-         "dataset_train_split", "dataset_test_split", "output_dir", "resume_from_checkpoint"),
-    ),
-    (
-        "sampling",
-        ("response_length", "temperature", "stop_token", "stop_token_id", "missing_eos_penalty", "max_prompt_length",
-         "generation_backend", "num_sample_generations"),
-    ),
-    (
-        "batch layout",
-        ("total_episodes", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-         "num_ppo_epochs", "local_rollout_forward_batch_size", "train_forward_batch_size", "logprobs_chunk_size"),
-    ),
-    (
-        "PPO losses and advantages",
-        ("learning_rate", "cliprange", "cliprange_value", "vf_coef", "gamma", "lam", "whiten_rewards",
-         "loss_agg_mode", "max_grad_norm"),
-    ),
-    ("KL to the reference", ("kl_coef", "kl_estimator", "kl_penalty", "kl_target", "kl_horizon")),
-    ("rewards", ("reward_weights", "use_score_scaling", "use_score_norm", "score_clip")),
-    (
-        "options from large-scale RL systems",
-        ("cliprange_low", "cliprange_high", "dual_clip", "entropy_coef", "critic_warmup_steps", "lam_value",
-         "length_adaptive_lam_alpha", "kl_loss_coef", "kl_loss_estimator"),
-    ),
-    (
-        "stability guards",
-        ("early_stopping", "target_kl", "ratio_threshold", "skip_nonfinite_updates"),
-    ),
-    (
-        "logging, saving, evaluation",
-        ("logging_steps", "report_to", "save_strategy", "save_steps", "save_value_model", "eval_strategy",
-         "eval_steps", "seed"),
-    ),
-    (
-        "precision and devices",  # newer transformers call `gradient_checkpointing` `activation_checkpointing`
-        ("bf16", "fp16", "use_cpu", "activation_checkpointing", "gradient_checkpointing", "ds3_gather_for_generation"),
-    ),
-)
+    ("models and data", "model_name_or_path sft_model_path reward_model_path dataset_name dataset_config "
+     "dataset_train_split dataset_test_split output_dir resume_from_checkpoint"),
+    ("sampling", "response_length temperature stop_token stop_token_id missing_eos_penalty max_prompt_length "
+     "generation_backend num_sample_generations"),
+    ("batch layout", "total_episodes per_device_train_batch_size gradient_accumulation_steps num_mini_batches "
+     "num_ppo_epochs local_rollout_forward_batch_size train_forward_batch_size logprobs_chunk_size"),
+    ("PPO losses and advantages", "learning_rate cliprange cliprange_value vf_coef gamma lam whiten_rewards "
+     "loss_agg_mode max_grad_norm"),
+    ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
+    ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
+    ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef critic_warmup_steps "
+     "lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
+    ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates"),
+    ("logging, saving, evaluation", "logging_steps report_to save_strategy save_steps save_value_model "
+     "eval_strategy eval_steps seed"),
+    # newer transformers releases call `gradient_checkpointing` `activation_checkpointing`: whichever exists shows
+    ("precision and devices", "bf16 fp16 use_cpu activation_checkpointing gradient_checkpointing "
+     "ds3_gather_for_generation"),
+)  # fmt: skip
 # `PPOConfig`'s batch sizes that the trainer fills in (`config_checks.compute_batch_sizes`): only in `--help-all`.
-DERIVED = ("world_size", "num_total_batches", "micro_batch_size", "local_batch_size", "batch_size",
-           "local_mini_batch_size", "mini_batch_size")  # fmt: skip
+DERIVED = (
+    "world_size num_total_batches micro_batch_size local_batch_size batch_size local_mini_batch_size mini_batch_size"
+)
 METAVARS = {int: "N", float: "X", string_to_bool: "BOOL"}
 # The first sentence of a help text: up to a full stop followed by a capital or a backtick ("e.g. GPT-2" is not one).
 FIRST_SENTENCE = re.compile(r"^(.*?(?<!e\.g)(?<!i\.e)(?<!Dr)\.)\s+(?=[A-Z`'])", re.S)
@@ -91,7 +70,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
         spellings = action.option_strings
-        names = ", ".join(s for s in spellings if not (s[2:].count("-") and "--" + s[2:].replace("-", "_") in spellings))
+        dashed_alias = {s for s in spellings if "-" in s[2:] and "--" + s[2:].replace("-", "_") in spellings}
+        names = ", ".join(s for s in spellings if s not in dashed_alias)
         if action.nargs == 0:
             return names
         metavar = METAVARS.get(action.type, "VALUE") if action.metavar is None else action.metavar
@@ -162,18 +142,19 @@ class CliParser(HfArgumentParser):
             by_dest.setdefault(action.dest, []).append(action)
         trainer_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
         ppo_fields = [f.name for f in dataclasses.fields(PPOConfig) if f.name not in trainer_fields]
-        groups = [(title, list(names)) for title, names in SECTIONS]
+        groups = [(title, names.split()) for title, names in SECTIONS]
         listed = {name for _, names in groups for name in names}
-        groups.append(("other PPO options", [n for n in ppo_fields if n not in listed and n not in DERIVED]))
+        derived = DERIVED.split()
+        groups.append(("other PPO options", [n for n in ppo_fields if n not in listed and n not in derived]))
         groups.append(("script options", [f.name for f in dataclasses.fields(ScriptArguments) if f.name not in listed]))
         groups.append(("general", ["help", "help_all", "config"]))
         if full:
             groups.insert(-1, ("model loading, LoRA, quantisation (ModelConfig)", [
                 f.name for f in dataclasses.fields(ModelConfig) if f.name not in listed]))  # fmt: skip
-            taken = {name for _, names in groups for name in names} | set(DERIVED)
+            taken = {name for _, names in groups for name in names} | set(derived)
             groups.append(("every other option (transformers.TrainingArguments)", [
                 n for n in by_dest if n not in taken]))  # fmt: skip
-            groups.append(("derived by the trainer (do not set)", list(DERIVED)))
+            groups.append(("derived by the trainer (do not set)", derived))
         return [(title, [a for n in names for a in by_dest.get(n, [])]) for title, names in groups]
 
     def unknown_argument(self, argument: str) -> str:

@@ -11,7 +11,9 @@ from transformers import TrainingArguments
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # The keyword of the KV cache in `generate()` and in this release's own models (5.3: `past_key_values`).
-CACHE_KEYWORD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+CACHE_KEYWORD = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+)
 # The `TrainingArguments` field that turns activation (gradient) checkpointing on.
 CHECKPOINTING_FIELD = (
     "activation_checkpointing"

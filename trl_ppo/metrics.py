@@ -34,8 +34,8 @@ def update_metrics(
     skipped_updates: int | None = None,
 ) -> dict[str, float]:
     """PPOv2's metrics for one update and the responses' mean length, averaged (counts: summed) over all
-    processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`), `objective/shaped_scores` when `report_shaped_scores`, and
-    `loss/skipped_updates` when `skipped_updates` is given.
+    processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`),
+    `objective/shaped_scores` when `report_shaped_scores`, and `loss/skipped_updates` when `skipped_updates` is given.
 
     rewards: the rollout's KL-shaped rewards; update_stats maps a metric name to its values per micro-batch `[n]`;
     scores_per_reward maps a reward name to `(scores [B], present [B] or None)`.
