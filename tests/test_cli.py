@@ -68,7 +68,7 @@ def test_default_job_trains_and_saves(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_whole_default_job_is_a_healthy_run_by_the_readmes_table(tmp_path):
-    """`make demo` as shipped (100 updates, about 15 s): each metric moves the way the README's "what healthy
+    """`make demo` as shipped (100 updates, about 13 s on 2 cores): each metric moves the way the README's "what healthy
     values look like" table says, and the completions learn to end (issue 18, item 6)."""
     main(["--output_dir", str(tmp_path / "run"), "--num_sample_generations", "0"])
     logged = [e for e in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]]
@@ -159,3 +159,93 @@ def test_a_local_prompts_file_that_cannot_be_read_is_named(tmp_path, name, conte
         path.write_text(content)
     with pytest.raises(SystemExit, match=rf"--dataset_name {path}: {message}"):
         load_prompt_datasets(ScriptArguments(dataset_name=str(path)))
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--totl_episodes", "5"], "trl-ppo: unknown option --totl_episodes (did you mean --total_episodes?)"),
+        (["--total-episods=5"], "trl-ppo: unknown option --total-episods (did you mean --total_episodes?)"),
+        (["--total_episodes", "abc"], "trl-ppo: argument --total_episodes/--total-episodes: invalid int value: 'abc'"),
+        (["--total_episodes", "0"], "trl-ppo: `total_episodes` must be at least 1, got 0."),
+        (["--kl_estimator", "k1", "--kl_coef", "-1"], "trl-ppo: `kl_coef` must be >= 0"),
+        (["train", "extra"], "trl-ppo: unexpected argument 'extra'"),
+        (["trian"], "trl-ppo: unknown command 'trian' (did you mean `train`?)"),
+    ],
+)
+def test_cli_mistakes_exit_with_one_line_naming_the_flag(argv, expected, capsys):
+    message = refusal(argv)
+    assert message.startswith(expected) and "\n" not in message, message
+    assert "Tokenizing" not in capsys.readouterr().err  # refused before any compute
+
+
+def test_resume_latest_with_no_checkpoint_says_what_was_typed_before_any_compute(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    message = refusal(["--output_dir", str(empty), "--resume_from_checkpoint", "latest"])
+    assert message.startswith(
+        f"trl-ppo: `resume_from_checkpoint='latest'`: no complete checkpoint in `output_dir` ({empty})"
+    ), message
+    assert "\n" not in message and "leave `resume_from_checkpoint` out" in message
+    assert "Tokenizing" not in capsys.readouterr().err and list(empty.iterdir()) == []
+    message = refusal(["--output_dir", str(empty), "--resume_from_checkpoint", str(tmp_path / "nope")])
+    assert message == f"trl-ppo: `resume_from_checkpoint` ({tmp_path / 'nope'}) is not a folder.", message
+
+
+def test_bf16_without_a_bf16_gpu_names_the_flag_and_the_fix():
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    if is_torch_bf16_gpu_available():
+        pytest.skip("this machine runs bf16")
+    message = refusal(["--bf16", "True"])
+    assert message.startswith("trl-ppo: --bf16 True: this machine has no GPU that runs bf16. Add --use_cpu True")
+    assert "\n" not in message
+
+
+def test_a_mistyped_yaml_key_names_the_option_meant(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("lerning_rate: 0.1\n")
+    assert "lerning_rate (did you mean learning_rate?)" in refusal(["--config", str(config)])
+
+
+def help_text(flag, capsys, monkeypatch) -> list[str]:
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exit_:
+        main([flag])
+    assert exit_.value.code in (0, None)
+    return capsys.readouterr().out.splitlines()
+
+
+def test_help_is_short_with_the_sub_commands_and_ppo_options_first(capsys, monkeypatch):
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from trl_ppo import PPOConfig
+    from trl_ppo.cli_parser import DERIVED
+    from trl_ppo.script_args import ScriptArguments
+
+    lines = help_text("--help", capsys, monkeypatch)
+    assert len(lines) < 250, len(lines)  # 999 lines, TrainingArguments' options first, before
+    assert lines[0].startswith("usage: trl-ppo [train]")
+    assert any(line.startswith("sub-commands:") for line in lines[:10])
+    headings = [line for line in lines if line.endswith(":") and not line.startswith(" ")]
+    assert headings[:4] == ["sub-commands:", "models and data:", "sampling:", "batch layout:"], headings
+    assert headings[-1] == "general:" and lines[-1].endswith("trl-ppo --help-all")
+    text = "\n".join(lines)
+    assert "--adam_beta1" not in text and "--total-episodes" not in text  # one spelling per option
+    trainer_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = [f.name for f in dataclasses.fields(PPOConfig) if f.name not in trainer_fields | set(DERIVED.split())]
+    for name in own + [f.name for f in dataclasses.fields(ScriptArguments)]:
+        assert f"  --{name} " in text or text.count(f"  --{name}\n"), name  # every PPO and script option
+
+
+def test_help_all_lists_every_option_in_sections_ppo_first(capsys, monkeypatch):
+    from trl_ppo.cli_parser import CliParser
+
+    lines = help_text("--help-all", capsys, monkeypatch)
+    text = "\n".join(lines)
+    for name in CliParser().option_names():
+        assert f"--{name}" in text, name
+    assert text.index("sampling:") < text.index("every other option (transformers.TrainingArguments):")
+    assert text.index("--response_length") < text.index("--adam_beta1") < text.index("--local_mini_batch_size")

@@ -232,3 +232,51 @@ def test_wandb_offline_and_tensorboard_runs_hold_the_metrics(tmp_path, make_conf
         [e["eval_objective/scores"] for e in trainer.state.log_history if "eval_objective/scores" in e]
     )
     assert "eval/objective/scores" in keys
+
+
+def test_eps_is_episodes_per_second_to_three_significant_digits(make_config, tokenizer, load_models, prompt_dataset):
+    """A run slower than one episode a second (a real model on a CPU) logs its true rate, not TRL's int 0."""
+    from conftest import build_trainer
+    from transformers import TrainerCallback
+
+    class SlowClock(TrainerCallback):  # as if the run had started 1000 s ago: 8 episodes / 1000 s
+        def on_train_begin(self, args, state, control, **kwargs):
+            trainer._start_time -= 1000.0
+
+    trainer = build_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
+    trainer.add_callback(SlowClock())
+    trainer.train()
+    eps = next(entry["eps"] for entry in trainer.state.log_history if "eps" in entry)
+    assert isinstance(eps, float) and 0.0079 <= eps <= 0.008, eps
+    assert eps == float(f"{eps:.3g}")
+
+    from trl_ppo.metrics import episodes_per_second
+
+    assert episodes_per_second(8, 20.0) == 0.4 and episodes_per_second(1, 3.0) == 0.333
+    assert episodes_per_second(123456, 1.0) == 123000.0
+
+
+def test_progress_bar_shows_eps_as_a_float():
+    from trl_ppo.reporting import show_progress
+
+    class Bar:
+        def set_postfix(self, **values):
+            self.postfix = values
+
+    callback = type("Progress", (), {"training_bar": Bar()})()
+    show_progress([callback], {"episode": 8, "eps": 0.0081, "objective/scores": 0.5, "objective/kl": 0.01})
+    assert callback.training_bar.postfix["eps"] == "0.0081"
+
+
+def test_every_curve_panel_has_data_from_a_run_without_evaluation(make_config, tokenizer, load_models, prompt_dataset):
+    """The demo does not evaluate: each panel of `training_curves.png` still draws a metric the training logs."""
+    from conftest import build_trainer
+
+    from trl_ppo.reporting import CURVES
+
+    trainer = build_trainer(make_config(total_episodes=8), tokenizer, load_models, prompt_dataset)
+    trainer.train()
+    logged = {name for entry in trainer.state.log_history for name in entry}
+    assert [panel for panel, names in CURVES if not logged.intersection(names)] == []
+    entry = next(entry for entry in trainer.state.log_history if "val/mean_response_length" in entry)
+    assert 1 <= entry["val/mean_response_length"] <= 6  # response_length 6

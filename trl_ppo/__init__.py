@@ -4,6 +4,7 @@ Migrating from TRL: `from trl.experimental.ppo import PPOConfig, PPOTrainer` bec
 `from trl_ppo import PPOConfig, PPOTrainer`.
 """
 
+from . import quiet  # noqa: F401  (first: before anything can import DeepSpeed)
 from .config import OnPolicyConfig, PPOConfig
 from .models import create_reference_model
 from .script_args import (

@@ -5,7 +5,7 @@
     trl-ppo --model_name_or_path EleutherAI/pythia-1b-deduped --sft_model_path ... --reward_model_path ...
     trl-ppo plot OUTPUT_DIR       # PNG of the main curves from OUTPUT_DIR's trainer_state.json
     trl-ppo env                   # versions and devices, for bug reports
-    trl-ppo --help                # every option of ScriptArguments, PPOConfig and ModelConfig
+    trl-ppo --help                # the sub-commands and PPO's options, grouped; --help-all: every option
 
 Without `--model_name_or_path` the default job runs (flags you pass still override its settings). Under several
 processes: `accelerate launch [--config_file ...] -m trl_ppo train ...`.
@@ -17,8 +17,7 @@ import os
 import re
 import sys
 
-from transformers import HfArgumentParser
-
+from .cli_parser import CliParser, closest
 from .config import PPOConfig
 from .output_dirs import check_output_dir, default_run_folder, describe_output_dir, flag_given
 from .script_args import ModelConfig, ScriptArguments, get_kbit_device_map, get_peft_config, get_quantization_config
@@ -26,17 +25,8 @@ from .script_args import ModelConfig, ScriptArguments, get_kbit_device_map, get_
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def build_parser() -> HfArgumentParser:
-    parser = HfArgumentParser(
-        (ScriptArguments, PPOConfig, ModelConfig),
-        prog="trl-ppo",
-        description="Train a causal LM with PPO. Sub-commands: `train` (the default), `plot OUTPUT_DIR`, `env`.",
-    )
-    parser.add_argument(
-        "--config",
-        default=None,
-        help="A YAML file of options: keys are the flag names without `--`; flags on the command line win.",
-    )
+def build_parser() -> CliParser:
+    parser = CliParser()
     describe_output_dir(parser)
     return parser
 
@@ -44,8 +34,7 @@ def build_parser() -> HfArgumentParser:
 def parse(argv: list[str]):
     """(script_args, training_args, model_args, argv with the YAML file's options first) for `trl-ppo train`."""
     argv = with_config_file(argv)
-    script_args, training_args, model_args, _ = build_parser().parse_args_into_dataclasses(args=argv)
-    return script_args, training_args, model_args, argv
+    return (*build_parser().parse_flags(argv), argv)
 
 
 def with_config_file(argv: list[str]) -> list[str]:
@@ -104,7 +93,8 @@ def config_file_flags(path: str) -> list[str]:
     actions = {action.dest: action for action in build_parser()._actions}
     unknown = sorted(set(options) - set(actions))
     if unknown:
-        raise SystemExit(f"trl-ppo: unknown option(s) in {path}: {', '.join(unknown)} (see `trl-ppo --help`).")
+        named = [f"{key} (did you mean {hint}?)" if (hint := closest(key, actions)) else key for key in unknown]
+        raise SystemExit(f"trl-ppo: unknown option(s) in {path}: {', '.join(named)} (see `trl-ppo --help`).")
     flags = []
     for key, value in options.items():
         if value is None:
@@ -188,6 +178,19 @@ def check_model_flags(training_args: PPOConfig, model_args: ModelConfig, argv: l
     check_model_source(training_args.reward_model_path, "reward_model_path")
 
 
+def check_resume_flag(training_args: PPOConfig) -> None:
+    """`--resume_from_checkpoint` before any model is loaded: `latest` (or `true`) with no checkpoint in
+    `--output_dir` that verifies, or a folder that is not a whole checkpoint, exits with one line."""
+    if training_args.resume_from_checkpoint is None:
+        return
+    from .checkpoint.folders import checkpoint_to_resume
+
+    try:  # verified again by `train()`: a checkpoint damaged in between is still refused there
+        checkpoint_to_resume(training_args.output_dir, training_args.resume_from_checkpoint)
+    except ValueError as error:
+        raise SystemExit(f"trl-ppo: {error}") from None
+
+
 def load_models(training_args: PPOConfig, model_args: ModelConfig):
     """(tokenizer, policy, ref_policy, value_model, reward_model) as in TRL's PPO example: the tokenizer from
     `model_name_or_path`, the policy (and its reference) from `sft_model_path`, value and reward models from
@@ -249,17 +252,20 @@ def train_and_save(
     from .trainer import PPOTrainer
 
     train_dataset, eval_dataset = datasets
-    trainer = PPOTrainer(
-        args=training_args,
-        processing_class=tokenizer,
-        model=policy,
-        ref_model=ref_policy,
-        reward_model=reward,
-        value_model=value_model,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        peft_config=get_peft_config(model_args),
-    )
+    try:  # the trainer's checks of data, models and config, before any compute: one line each, as for flags
+        trainer = PPOTrainer(
+            args=training_args,
+            processing_class=tokenizer,
+            model=policy,
+            ref_model=ref_policy,
+            reward_model=reward,
+            value_model=value_model,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            peft_config=get_peft_config(model_args),
+        )
+    except ValueError as error:
+        raise SystemExit(f"trl-ppo: {error}") from None
     trainer.model_card_dataset = dataset_name or "the prompts shipped with trl_ppo"
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
@@ -278,10 +284,9 @@ def run_default_job(argv: list[str]) -> None:
     if not flag_given(argv, "output_dir"):
         base = default_job.DEFAULT_JOB_SETTINGS["output_dir"]
         argv = [*argv, "--output_dir", default_run_folder(base, flag_given(argv, "resume_from_checkpoint"))]
-    script_args, training_args, model_args, _ = build_parser().parse_args_into_dataclasses(
-        args=default_job.DEFAULT_JOB_FLAGS + argv
-    )
+    script_args, training_args, model_args = build_parser().parse_flags(default_job.DEFAULT_JOB_FLAGS + argv)
     check_output_dir(training_args)
+    check_resume_flag(training_args)
     tokenizer = default_job.build_word_tokenizer()
     policy, value_model = default_job.build_tiny_models(tokenizer)
     train_and_save(
@@ -333,9 +338,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             check_model_flags(training_args, model_args, argv)
             check_output_dir(training_args)
+            check_resume_flag(training_args)
             run_from_models(script_args, training_args, model_args)
     else:
-        raise SystemExit(f"trl-ppo: unknown command {command!r}: use `train` (the default), `plot` or `env`.")
+        hint = closest(command, ("train", "plot", "env"))
+        raise SystemExit(
+            f"trl-ppo: unknown command {command!r}{f' (did you mean `{hint}`?)' if hint else ''}: use `train` "
+            "(the default), `plot` or `env`."
+        )
 
 
 if __name__ == "__main__":

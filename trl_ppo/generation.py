@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import ppo
+from .compat import CACHE_KEYWORD, cache_keyword, returned_cache
 from .distributed import all_processes
 from .logprobs import position_ids_from_mask
 
@@ -51,7 +52,7 @@ def sample_responses(
     output = model(
         input_ids=queries, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1
     )
-    past = output.past_key_values
+    past, keyword = returned_cache(output), cache_keyword(model)
 
     def step(next_tokens: torch.Tensor, positions: torch.Tensor, done: int) -> torch.Tensor:
         nonlocal attention_mask, past
@@ -60,10 +61,10 @@ def sample_responses(
             input_ids=next_tokens.unsqueeze(1),
             attention_mask=attention_mask,
             position_ids=positions,
-            past_key_values=past,
             use_cache=True,
+            **{keyword: past},
         )
-        past = output.past_key_values
+        past = returned_cache(output)
         return output.logits[:, -1, :]
 
     return _sampling_loop(
@@ -104,13 +105,14 @@ def sample_responses_compiled(
     attention_mask = query_mask.new_zeros(batch_size, _cache_length(prompt_length + response_length), dtype=torch.long)
     attention_mask[:, :prompt_length] = query_mask
     position_ids = position_ids_from_mask(query_mask)
+    keyword = cache_keyword(model)
     output = model(
         input_ids=queries,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **{keyword: cache},
     )
     decode = model.get_compiled_call(None) if compile and hasattr(model, "get_compiled_call") else model
 
@@ -120,8 +122,8 @@ def sample_responses_compiled(
             input_ids=next_tokens.unsqueeze(1),
             attention_mask=attention_mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
+            **{keyword: cache},
         )
         return output.logits[:, -1, :]
 
@@ -188,7 +190,7 @@ def generate_with_transformers(
         if cache is None:
             generation_kwargs.setdefault("cache_implementation", "static")
         else:
-            generation_kwargs["past_key_values"] = cache
+            generation_kwargs[CACHE_KEYWORD] = cache
     output = model.generate(
         input_ids=queries,
         attention_mask=query_mask.long(),

@@ -13,6 +13,12 @@ from .rollout import Rollout
 LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates", "objective/kl_coef")
 
 
+def episodes_per_second(episodes: int, seconds: float) -> float:
+    """`eps`: episodes per second, rounded to 3 significant digits. A float, not TRL's int, which logs 0 for any
+    run slower than one episode a second (a real model on a CPU)."""
+    return float(f"{episodes / max(seconds, 1e-9):.3g}")
+
+
 @torch.no_grad()
 def update_metrics(
     rollout: Rollout,
@@ -27,9 +33,9 @@ def update_metrics(
     report_shaped_scores: bool = False,
     skipped_updates: int | None = None,
 ) -> dict[str, float]:
-    """PPOv2's metrics for one update, averaged (counts: summed) over all processes, with the KL coefficient and
-    learning rate it used (`objective/kl_coef`, `lr`), `objective/shaped_scores` when `report_shaped_scores`, and
-    `loss/skipped_updates` when `skipped_updates` is given.
+    """PPOv2's metrics for one update and the responses' mean length, averaged (counts: summed) over all
+    processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`),
+    `objective/shaped_scores` when `report_shaped_scores`, and `loss/skipped_updates` when `skipped_updates` is given.
 
     rewards: the rollout's KL-shaped rewards; update_stats maps a metric name to its values per micro-batch `[n]`;
     scores_per_reward maps a reward name to `(scores [B], present [B] or None)`.
@@ -42,6 +48,7 @@ def update_metrics(
         "objective/non_score_reward": non_score_reward,
         "objective/rlhf_reward": non_score_reward + rollout.scores.mean(),
         "objective/scores": rollout.scores.mean(),
+        "val/mean_response_length": mask.sum(1).float().mean(),  # tokens, up to and including the stop token
     }
     if stop_token_id is not None:  # how often responses run to `response_length` without stopping
         local["val/missing_stop_token_frac"] = (

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import distributed as dist
+from .compat import enable_activation_checkpointing
 from .logprobs import ResponseOutput, position_ids_from_mask, response_logprobs
 from .value_head import AutoModelForCausalLMWithValueHead, causal_lm, is_value_head_model
 
@@ -135,10 +136,10 @@ class PolicyAndValueWrapper(nn.Module):
         """The causal LM that samples (the policy without its value head)."""
         return causal_lm(self.policy)
 
-    def gradient_checkpointing_enable(self, **kwargs) -> None:
-        self.policy.gradient_checkpointing_enable(**kwargs)
-        if self.value_model is not None:
-            self.value_model.gradient_checkpointing_enable(**kwargs)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        for model in (self.policy, self.value_model):
+            if model is not None:
+                enable_activation_checkpointing(model, gradient_checkpointing_kwargs)
 
     def forward(
         self,
@@ -294,7 +295,7 @@ def prepare_models(policy, ref_model, value_model, reward_models, peft_config=No
     if checkpointing_kwargs is not None:
         for module in (policy, value_model):
             if module is not None:
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs)
+                enable_activation_checkpointing(module, checkpointing_kwargs)
         if is_peft_model(lm):
             lm.enable_input_require_grads()  # LoRA on a frozen base: checkpointed blocks need an input grad
     return policy, ref_model

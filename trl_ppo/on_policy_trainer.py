@@ -19,6 +19,7 @@ from . import data, reporting, saving
 from . import distributed as dist
 from .checkpoint.trainer_files import exportable_callbacks, restore_trainer_checkpoint, write_trainer_checkpoint
 from .config_checks import compute_batch_sizes
+from .metrics import episodes_per_second
 from .models import PreparedModels
 from .run_state import PPOTrainerState, RunState
 
@@ -145,7 +146,7 @@ class OnPolicyTrainer(Trainer):
         state.episode += args.batch_size
         state.global_step += 1
         state.epoch = state.episode / len(self.train_dataset) if self.train_dataset is not None else 0.0
-        metrics["eps"] = int((state.episode - self._start_episode) / max(time.time() - self._start_time, 1e-9))
+        metrics["eps"] = episodes_per_second(state.episode - self._start_episode, time.time() - self._start_time)
         metrics["episode"] = state.episode
         self.run.metrics_since_log.add(metrics)
         self.run.policy_loss_sum += metrics.get("loss/policy_avg", 0.0)  # absent when the update was skipped

@@ -19,7 +19,7 @@ CURVES = (
     ("value loss", ("loss/value_avg",)),
     ("clip fractions", ("policy/clipfrac_avg", "val/clipfrac_avg")),
     ("episodes/s", ("eps",)),
-    ("response length", ("eval_val/mean_response_length",)),
+    ("response length", ("val/mean_response_length", "eval_val/mean_response_length")),
 )
 PLOT_FILE = "training_curves.png"
 PLOT_SIZE = (1600, 800)  # pixels: 4 x 2 panels
@@ -178,7 +178,7 @@ def show_progress(callbacks: list, metrics: dict) -> None:
         if bar is not None:
             bar.set_postfix(
                 episode=metrics["episode"],
-                eps=metrics["eps"],
+                eps=f"{metrics['eps']:.3g}",
                 score=f"{metrics['objective/scores']:.3g}",
                 kl=f"{metrics['objective/kl']:.3g}",
             )

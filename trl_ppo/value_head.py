@@ -10,12 +10,14 @@ model's own logit computation (scaling, soft-capping, `logits_to_keep`) is untou
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import field, make_dataclass
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.utils import ModelOutput, logging
+
+from .compat import CACHE_KEYWORD, enable_activation_checkpointing, returned_cache
 
 logger = logging.get_logger(__name__)
 
@@ -41,14 +43,20 @@ class ValueHead(nn.Module):
         return self.summary(hidden_states).squeeze(-1)
 
 
-@dataclass
-class CausalLMOutputWithValue(ModelOutput):
-    """`logits` `[B, K, V]` and `value` `[B, K]` for the same K positions (all, or the last `logits_to_keep`)."""
-
-    logits: torch.Tensor | None = None
-    value: torch.Tensor | None = None
-    past_key_values: object | None = None
-    loss: torch.Tensor | None = None  # the LM's loss, when `labels` are given
+# `logits` `[B, K, V]` and `value` `[B, K]` for the same K positions (all, or the last `logits_to_keep`), the LM's KV
+# cache under this transformers release's name for it (`cache`, or `past_key_values`: a field of the old name is
+# renamed, and so lost, by newer releases' `ModelOutput`), and the LM's `loss` when `labels` are given.
+CausalLMOutputWithValue = make_dataclass(
+    "CausalLMOutputWithValue",
+    [
+        ("logits", "torch.Tensor | None", field(default=None)),
+        ("value", "torch.Tensor | None", field(default=None)),
+        (CACHE_KEYWORD, "object | None", field(default=None)),
+        ("loss", "torch.Tensor | None", field(default=None)),
+    ],
+    bases=(ModelOutput,),
+    namespace={"__module__": __name__},
+)
 
 
 class AutoModelForCausalLMWithValueHead(nn.Module):
@@ -123,8 +131,8 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.pretrained_model.get_output_embeddings()
 
-    def gradient_checkpointing_enable(self, **kwargs) -> None:
-        self.pretrained_model.gradient_checkpointing_enable(**kwargs)
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        enable_activation_checkpointing(self.pretrained_model, gradient_checkpointing_kwargs)
 
     def generate(self, *args, **kwargs):
         return self.pretrained_model.generate(*args, **kwargs)
@@ -142,7 +150,7 @@ class AutoModelForCausalLMWithValueHead(nn.Module):
         finally:
             hook.remove()
         value = self.v_head(captured[-1])
-        return CausalLMOutputWithValue(output.logits, value, output.past_key_values, getattr(output, "loss", None))
+        return CausalLMOutputWithValue(output.logits, value, returned_cache(output), getattr(output, "loss", None))
 
 
 # Where trl <= 0.11 saved the head: its `v_head.*` keys inside the model's own weights file(s).

@@ -152,7 +152,7 @@ def checkpoint_to_resume(
             )
         return None
     if resume_from_checkpoint is True or str(resume_from_checkpoint).lower() in ("true", "latest"):
-        return newest_verified_checkpoint(output_dir)
+        return newest_verified_checkpoint(output_dir, resume_from_checkpoint)
     path = str(resume_from_checkpoint)
     if not os.path.isdir(path):
         raise ValueError(f"`resume_from_checkpoint` ({path}) is not a folder.")
@@ -177,9 +177,9 @@ def earlier_run(latest: str) -> str:
     return f"an unfinished run (latest: {latest}, stopped after update {done} of {total})"
 
 
-def newest_verified_checkpoint(output_dir: str) -> str:
+def newest_verified_checkpoint(output_dir: str, requested: str | bool = True) -> str:
     """The newest checkpoint folder in `output_dir` whose files match its manifest; each newer one skipped is
-    named in a warning with its problem."""
+    named in a warning with its problem. `requested`: the value that asked for it (True, "latest"), for errors."""
     skipped = []
     for path in reversed(checkpoint_folders(output_dir)):
         problem = verified_problem(path)
@@ -189,5 +189,8 @@ def newest_verified_checkpoint(output_dir: str) -> str:
             return path
         skipped.append(f"{os.path.basename(path)}: {problem}")
     if skipped:
-        raise ValueError(f"`resume_from_checkpoint=True`: no checkpoint in {output_dir} verifies: {skipped}")
-    raise ValueError(f"`resume_from_checkpoint=True`: no complete checkpoint in `output_dir` ({output_dir}).")
+        raise ValueError(f"`resume_from_checkpoint={requested!r}`: no checkpoint in {output_dir} verifies: {skipped}")
+    raise ValueError(
+        f"`resume_from_checkpoint={requested!r}`: no complete checkpoint in `output_dir` ({output_dir}), so nothing "
+        "to resume; leave `resume_from_checkpoint` out to start a new run there."
+    )

@@ -17,6 +17,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from ..compat import CHECKPOINTING_FIELD
 from ..config import PPOConfig as CorePPOConfig
 from ..config_fields import check_fields
 
@@ -201,7 +202,7 @@ def core_config(config: PPOConfig, stop_token: str | None) -> CorePPOConfig:
         early_stopping=config.early_stopping,
         target_kl=config.target_kl,
         ratio_threshold=config.ratio_threshold,
-        gradient_checkpointing=config.gradient_checkpointing,
+        **{CHECKPOINTING_FIELD: config.gradient_checkpointing},  # the old name warns in newer transformers
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         temperature=1.0,  # trl 0.11 scored the responses under the model's own (temperature 1) distribution

@@ -8,6 +8,7 @@ import torch
 from transformers import set_seed
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from ..compat import cache_keyword, returned_cache
 from ..value_head import causal_lm
 
 
@@ -31,7 +32,7 @@ def respond_to_batch(
         token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
         generated.append(token)
         input_ids = torch.cat([input_ids, token], dim=-1)
-        output = lm(input_ids=token, past_key_values=output.past_key_values, use_cache=True)
+        output = lm(input_ids=token, use_cache=True, **{cache_keyword(lm): returned_cache(output)})
     return torch.cat(generated, dim=-1)
 
 

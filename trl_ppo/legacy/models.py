@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .. import models as core_models
+from ..compat import cache_keyword, returned_cache
 from .. import value_head as core
 from .reward_adapter import load_reward_adapter, reward_scores
 
@@ -102,10 +103,12 @@ class AutoModelForCausalLMWithValueHead(core.AutoModelForCausalLMWithValueHead):
     ):
         """The LM's forward and the value of every position -> `(lm_logits, loss, value)` (and
         `past_key_values` when `return_past_key_values`)."""
-        output = super().forward(input_ids, attention_mask, past_key_values=past_key_values, **kwargs)
+        if past_key_values is not None:  # under the name this transformers release's models take
+            kwargs[cache_keyword(self.pretrained_model)] = past_key_values
+        output = super().forward(input_ids, attention_mask, **kwargs)
         logits = output.logits.float()  # trl 0.11 upcast half-precision logits
         if return_past_key_values:
-            return ValueHeadOutputWithPast(logits, output.loss, output.value, output.past_key_values)
+            return ValueHeadOutputWithPast(logits, output.loss, output.value, returned_cache(output))
         return ValueHeadOutput(logits, output.loss, output.value)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
