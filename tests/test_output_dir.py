@@ -192,5 +192,5 @@ def test_the_default_job_twice_writes_two_folders_and_an_explicit_earlier_one_is
     with pytest.raises(SystemExit, match=r"holds an earlier run .*--overwrite_output_dir"):
         main([*TINY_DEFAULT_JOB, "--output-dir", earlier])  # the dashed alias counts as given too
     main([*TINY_DEFAULT_JOB, "--output_dir", earlier, "--overwrite_output_dir"])
-    with pytest.raises(ValueError, match=rf"no complete checkpoint in `output_dir` \(.*{runs[-1]}\)"):
+    with pytest.raises(SystemExit, match=rf"no complete checkpoint in `output_dir` \(.*{runs[-1]}\)"):
         main([*TINY_DEFAULT_JOB, "--resume_from_checkpoint", "latest"])  # resumes the newest folder: none saved

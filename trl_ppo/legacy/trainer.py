@@ -244,7 +244,7 @@ class PPOTrainer:
         may have set through `kl_ctl.value` (beginning a run starts from `init_kl_coef` otherwise)."""
         if not self.trainer._training_active:
             kl_coef = self.kl_ctl.value
-            self.trainer._begin_training(None)
+            self.trainer._start_run(None)
             self.kl_ctl.value = kl_coef
 
     def load_checkpoint(self, checkpoint: str | bool = True) -> int:
