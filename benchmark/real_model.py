@@ -25,7 +25,6 @@ import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import time
 
@@ -33,7 +32,8 @@ import torch
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples", "scripts"))
+sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), os.path.join(ROOT, "benchmark")]
+from learning import run_worker  # noqa: E402  (`run_one` of this file in a fresh process)
 from sentiment_rewards import vader_compound, vader_scores  # noqa: E402
 
 PROMPTS = os.path.join(ROOT, "examples", "data", "movie_review_prompts.jsonl")
@@ -106,7 +106,8 @@ def greedy_vader(model, tokenizer, prompts: list[list[int]], response_length: in
 
 def ppo_config(name: str, spec: dict):
     batch = 8
-    common = dict(output_dir=os.path.join(spec["output_root"], f"{name}-{spec['seed']}"), per_device_train_batch_size=batch,
+    output_dir = os.path.join(spec["output_root"], f"{name}-{spec['seed']}")
+    common = dict(output_dir=output_dir, per_device_train_batch_size=batch,
                   gradient_accumulation_steps=1, local_rollout_forward_batch_size=batch, num_ppo_epochs=2,
                   num_mini_batches=2, learning_rate=2e-5, kl_coef=0.05, response_length=spec["response_length"],
                   temperature=1.0, stop_token="eos", total_episodes=batch * spec["updates"], seed=spec["seed"],
@@ -158,24 +159,11 @@ def run_one(spec: dict) -> dict:
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
-def run_worker(spec: dict) -> dict | None:
-    """`run_one` in a fresh process (its own peak RSS); -> its row, or None (its output shown) when it failed."""
-    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not rows:
-        print(f"[{spec['config']} seed {spec['seed']}] failed (exit {done.returncode}):\n"
-              f"{(done.stdout + done.stderr)[-4000:]}", file=sys.stderr)
-        return None
-    return json.loads(rows[-1])
-
-
 def summary(rows: list[dict]) -> str:
     """Per config: mean held-out gain, episodes/s, peak RSS; against `trl`, the paired difference of the gains."""
     gain = {(r["config"], r["seed"]): r["held_out_after"] - r["held_out_before"] for r in rows}
-    lines = ["| config | seeds | held-out VADER before -> after | gain - TRL's gain (± s.e.) | episodes/s | peak RSS MiB |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| config | seeds | held-out VADER before -> after | gain - TRL's gain (± s.e.) | episodes/s | "
+             "peak RSS MiB |", "|---|---|---|---|---|---|"]
     for name in CONFIGS:
         mine = [r for r in rows if r["config"] == name]
         if not mine:
@@ -226,7 +214,7 @@ def main() -> None:
         for name in args.configs:
             spec = dict(budget, config=name, seed=seed, model=model, threads=args.threads,
                         output_root=args.output_root)
-            row = run_worker(spec)
+            row = run_worker(spec, script=__file__)
             if row is None:
                 continue
             rows.append(row)

@@ -32,7 +32,7 @@ def evaluations(output_dir: str) -> tuple[list[dict], list[dict]]:
     return [e for e in history if "eval_objective/scores" in e], [e for e in history if "objective/scores" in e]
 
 
-def run_seed(seed: int, model: str, output_root: str, flags: list[str]) -> dict:
+def run_seed(seed: int, model: str, output_root: str, flags: list[str], threads: int | None = None) -> dict:
     output_dir = os.path.join(output_root, f"seed{seed}")
     command = [sys.executable, "-m", "trl_ppo", "train", "--config", CONFIG, "--model_name_or_path", model,
                "--seed", str(seed), "--output_dir", output_dir]
@@ -42,7 +42,8 @@ def run_seed(seed: int, model: str, output_root: str, flags: list[str]) -> dict:
     os.makedirs(output_dir, exist_ok=True)
     load_before, start = os.getloadavg()[0], time.time()
     with open(os.path.join(output_dir, "run.log"), "w") as log:
-        subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+        env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, env=env)
     seconds = time.time() - start
     evals, train = evaluations(output_dir)
     return {
@@ -61,6 +62,7 @@ def run_seed(seed: int, model: str, output_root: str, flags: list[str]) -> dict:
         "cpus": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
         "flags": flags,
+        "threads": threads,
     }
 
 
@@ -71,6 +73,8 @@ def main() -> None:
     parser.add_argument("--output_root", default=os.path.join(ROOT, "runs", "real_sentiment"))
     parser.add_argument("--out", default=None, help="append one JSON line per seed to this file")
     parser.add_argument("--flags", nargs="*", default=[], help="extra trl-ppo options as key=value")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of the runs (default: torch's; 1 is faster on a crowded machine)")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -80,7 +84,7 @@ def main() -> None:
         model = str(get_smollm2(os.path.join(ROOT, ".cache", "smollm2-135m-instruct"),
                                 cache_dir=os.path.join(ROOT, ".cache", "wheels")))
     for seed in args.seeds:
-        result = run_seed(seed, model, args.output_root, args.flags)
+        result = run_seed(seed, model, args.output_root, args.flags, args.threads)
         print(json.dumps(result), flush=True)
         if args.out:
             with open(args.out, "a") as handle:

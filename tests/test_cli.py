@@ -165,7 +165,7 @@ def test_a_reward_function_from_a_file_trains_a_local_model(model_paths, prompts
     """`--reward_function file.py:name` instead of a reward model: no `--sft_model_path` needed (the policy is
     `--model_name_or_path`), the value function is a head on the policy's backbone."""
     reward_file = tmp_path / "my_rewards.py"
-    reward_file.write_text("def shortness(prompts, completions, **_):\n    return [-len(c) / 10 for c in completions]\n")
+    reward_file.write_text("def shortness(prompts, completions, **_):\n    return [-len(c) / 9 for c in completions]\n")
     policy_path, _ = model_paths["llama"]
     flags = as_flags({"model_name_or_path": policy_path, "reward_function": f"{reward_file}:shortness",
                       "dataset_name": prompts_file, "output_dir": str(tmp_path / "out")})

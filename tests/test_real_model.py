@@ -263,3 +263,29 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_conversation(smollm2_to
         assert text == prompt + completion + "<|im_end|>\n"  # the template closes the turn as a stop would
         if row in stopped:
             assert smollm2_tokenizer.decode(response).endswith(completion + "<|im_end|>")
+
+
+# --------------------------------------------------------------------- the benchmark against TRL 1.12 (item 4)
+@pytest.mark.slow
+def test_the_benchmarks_vader_reward_model_scores_the_response_alone(smollm2_tokenizer):
+    """TRL 1.12 gets VADER as a module of a reward model's shape: it must score the response after the last
+    assistant header, cut at its `<|im_end|>`, whatever TRL's attention mask drops (TRL masks every pad id)."""
+    import importlib.util
+
+    from conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("real_model", f"{REPO_ROOT}/benchmark/real_model.py")
+    real_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real_model)
+    tokenizer = smollm2_tokenizer
+    prompt = rendered_prompts(tokenizer)[2]  # three turns, an assistant turn among them
+    good, bad = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("A wonderful film.", "Awful."))
+    rows = [prompt + good + [IM_END] * 3, [IM_END] * 3 + prompt + bad + [IM_END] * 3]  # left and right padding
+    width = max(map(len, rows))
+    rows = [row + [IM_END] * (width - len(row)) for row in rows]
+    reward_model = real_model.VaderRewardModel(tokenizer)
+    hidden = getattr(reward_model, reward_model.base_model_prefix)(torch.tensor(rows)).hidden_states[-1]
+    scores = reward_model.score(hidden)[:, -1, 0].tolist()
+    assert scores == pytest.approx(real_model.vader_scores(["A wonderful film.", "Awful."]))
+    assert scores[0] > 0.5 and scores[1] < -0.4
+    assert real_model.standard_error([1.0, 2.0, 3.0]) == pytest.approx(0.57735, abs=1e-5)

@@ -101,8 +101,9 @@ def main() -> None:
               f"  after  ({vader_after[i]:+.2f}): {after[i]!r}")
     if args.json:
         with open(args.json, "a") as handle:
-            handle.write(json.dumps({"api": "legacy", "seed": args.seed, "steps": args.steps, "vader_before": mean_before,
-                                     "vader_after": mean_after, "train_seconds": seconds}) + "\n")
+            row = {"api": "legacy", "seed": args.seed, "steps": args.steps, "vader_before": mean_before,
+                   "vader_after": mean_after, "train_seconds": seconds}
+            handle.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
