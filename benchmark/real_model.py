@@ -109,7 +109,7 @@ def ppo_config(name: str, spec: dict):
     output_dir = os.path.join(spec["output_root"], f"{name}-{spec['seed']}")
     common = dict(output_dir=output_dir, per_device_train_batch_size=batch,
                   gradient_accumulation_steps=1, local_rollout_forward_batch_size=batch, num_ppo_epochs=2,
-                  num_mini_batches=2, learning_rate=2e-5, kl_coef=0.05, response_length=spec["response_length"],
+                  num_mini_batches=2, learning_rate=1e-5, kl_coef=0.05, response_length=spec["response_length"],
                   temperature=1.0, stop_token="eos", total_episodes=batch * spec["updates"], seed=spec["seed"],
                   num_sample_generations=0, save_strategy="no", report_to="none", logging_steps=1, bf16=False,
                   use_cpu=True, disable_tqdm=True)

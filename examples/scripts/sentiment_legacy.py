@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--prompts", default=PROMPTS)
     parser.add_argument("--steps", type=int, default=30, help="PPO steps of --batch_size episodes")
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--learning_rate", type=float, default=2e-5)
+    parser.add_argument("--learning_rate", type=float, default=1e-5)
     parser.add_argument("--response_length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", default=None, help="append the before/after figures to this JSON-lines file")
@@ -79,7 +79,7 @@ def main() -> None:
         for batch in ppo_trainer.dataloader:
             query_tensors = batch["input_ids"]
             response_tensors = ppo_trainer.generate(query_tensors, return_prompt=False, **generation_kwargs)
-            batch["query"] = [messages[0]["content"] for messages in batch["prompt"]]
+            batch["query"] = tokenizer.batch_decode(query_tensors, skip_special_tokens=True)
             batch["response"] = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
             rewards = [torch.tensor(score) for score in vader_scores(batch["response"])]
             stats = ppo_trainer.step(query_tensors, response_tensors, rewards)
