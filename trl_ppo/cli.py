@@ -20,7 +20,14 @@ import sys
 from .cli_parser import CliParser, closest
 from .config import PPOConfig
 from .output_dirs import check_output_dir, default_run_folder, describe_output_dir, flag_given
-from .script_args import ModelConfig, ScriptArguments, get_kbit_device_map, get_peft_config, get_quantization_config
+from .script_args import (
+    ModelConfig,
+    ScriptArguments,
+    get_kbit_device_map,
+    get_peft_config,
+    get_quantization_config,
+    load_reward_function,
+)
 
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -163,19 +170,27 @@ def check_model_source(value: str, flag: str, what: str = "a model folder") -> N
     raise SystemExit(f"trl-ppo: --{flag} {value}: no such folder (nor a hub id like `org/name`); give {what}.")
 
 
-def check_model_flags(training_args: PPOConfig, model_args: ModelConfig, argv: list[str]) -> None:
+def check_model_flags(
+    script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig, argv: list[str]
+) -> None:
     """The model flags of `trl-ppo --model_name_or_path ...`, before anything is loaded: each path exists (or is a
-    hub id), and the reward model is named (its field has a hub default from TRL's example, which would silently
-    score with an untrained model)."""
+    hub id), and the reward is named (`--reward_model_path` has a hub default from TRL's example, which would
+    silently score with an untrained model), by a reward model or a reward function, not both. With a reward
+    function and no `--sft_model_path`, the policy is `--model_name_or_path` (not the field's hub default)."""
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    if "--reward_model_path" not in given:
+    if script_args.reward_function is not None and "--reward_model_path" in given:
+        raise SystemExit("trl-ppo: --reward_function and --reward_model_path are both given: choose one reward.")
+    if script_args.reward_function is None and "--reward_model_path" not in given:
         raise SystemExit(
-            "trl-ppo: --model_name_or_path needs --reward_model_path: the reward (and value) model to train "
-            "against. Without it the run would score with an untrained default model."
+            "trl-ppo: --model_name_or_path needs --reward_model_path (the reward and value model to train against) "
+            "or --reward_function. Without either the run would score with an untrained default model."
         )
+    if script_args.reward_function is not None and "--sft_model_path" not in given:
+        training_args.sft_model_path = model_args.model_name_or_path
     check_model_source(model_args.model_name_or_path, "model_name_or_path")
     check_model_source(training_args.sft_model_path, "sft_model_path")
-    check_model_source(training_args.reward_model_path, "reward_model_path")
+    if script_args.reward_function is None:
+        check_model_source(training_args.reward_model_path, "reward_model_path")
 
 
 def check_resume_flag(training_args: PPOConfig) -> None:
@@ -191,10 +206,11 @@ def check_resume_flag(training_args: PPOConfig) -> None:
         raise SystemExit(f"trl-ppo: {error}") from None
 
 
-def load_models(training_args: PPOConfig, model_args: ModelConfig):
+def load_models(training_args: PPOConfig, model_args: ModelConfig, reward_function=None):
     """(tokenizer, policy, ref_policy, value_model, reward_model) as in TRL's PPO example: the tokenizer from
     `model_name_or_path`, the policy (and its reference) from `sft_model_path`, value and reward models from
-    `reward_model_path`. Each may be a hub name or a local folder."""
+    `reward_model_path`. Each may be a hub name or a local folder. With a `reward_function`, it is the reward and
+    the value model is None (a value head on the policy's backbone)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -213,18 +229,20 @@ def load_models(training_args: PPOConfig, model_args: ModelConfig):
     )
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    value_model = AutoModelForSequenceClassification.from_pretrained(
-        training_args.reward_model_path, num_labels=1, trust_remote_code=model_args.trust_remote_code
-    )
-    reward_model = AutoModelForSequenceClassification.from_pretrained(
-        training_args.reward_model_path, num_labels=1, trust_remote_code=model_args.trust_remote_code
-    )
+    value_model, reward_model = None, reward_function
+    if reward_function is None:
+        value_model, reward_model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                training_args.reward_model_path, num_labels=1, trust_remote_code=model_args.trust_remote_code
+            )
+            for _ in range(2)
+        )
     policy = AutoModelForCausalLM.from_pretrained(training_args.sft_model_path, **model_kwargs)
     ref_policy = None
     if not model_args.use_peft:
         ref_policy = AutoModelForCausalLM.from_pretrained(training_args.sft_model_path, **model_kwargs)
     for model in (policy, ref_policy, value_model, reward_model):
-        if model is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):
+        if isinstance(model, torch.nn.Module) and model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.resize_token_embeddings(len(tokenizer))
     return tokenizer, policy, ref_policy, value_model, reward_model
 
@@ -304,7 +322,8 @@ def run_default_job(argv: list[str]) -> None:
 
 def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
     """Train models given by path/hub name on a prompt dataset (the TRL example's flow)."""
-    tokenizer, policy, ref_policy, value_model, reward_model = load_models(training_args, model_args)
+    reward_function = script_args.reward_function and load_reward_function(script_args.reward_function)
+    tokenizer, policy, ref_policy, value_model, reward_model = load_models(training_args, model_args, reward_function)
     train_and_save(
         training_args,
         model_args,
@@ -336,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         if model_args.model_name_or_path is None:
             run_default_job(argv)
         else:
-            check_model_flags(training_args, model_args, argv)
+            check_model_flags(script_args, training_args, model_args, argv)
             check_output_dir(training_args)
             check_resume_flag(training_args)
             run_from_models(script_args, training_args, model_args)

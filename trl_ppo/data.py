@@ -239,9 +239,12 @@ def prompts_on_device(batch: dict, device: torch.device, pad_token_id: int) -> t
     queries = batch["input_ids"].to(device)
     if "attention_mask" in batch:
         query_mask = batch["attention_mask"].to(queries.device).bool()
-    else:
-        query_mask = queries != pad_token_id
-    if not bool(query_mask[:, -1].all()):
+        ends_in_padding = ~query_mask[:, -1]
+    else:  # left padding is the run of pad ids before a row's first other token: a pad id after it (the EOS of
+        # a chat turn, when pad = EOS) is part of the prompt; a pad id in the last column is right padding
+        query_mask = (queries != pad_token_id).long().cummax(dim=1).values.bool()
+        ends_in_padding = queries[:, -1] == pad_token_id
+    if bool(ends_in_padding.any()):
         raise ValueError(
             "Prompts must be left-padded (the response is appended after the last column), but this batch has "
             "padding at the end: use the default collator, or a tokenizer with `padding_side='left'`."

@@ -21,6 +21,15 @@ class ScriptArguments:
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
     dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset (not supported by PPO)."})
+    reward_function: str | None = field(
+        default=None,
+        metadata={
+            "help": "A reward function instead of `--reward_model_path`: `path/to/file.py:name` or "
+            "`package.module:name`, called as `f(prompts, completions, **columns) -> list[float]`. The value "
+            "function is then a head on the policy's backbone (value_model=None), and the policy is "
+            "`--sft_model_path`, or `--model_name_or_path` when that is not given."
+        },
+    )
     ignore_bias_buffers: bool = field(
         default=False, metadata={"help": "Ignore bool bias buffers in DDP (needed for some models, e.g. GPT-2)."}
     )
@@ -80,6 +89,33 @@ class ModelConfig:
 def as_flags(settings: dict) -> list[str]:
     """`{"learning_rate": 3e-4}` -> `["--learning_rate", "3e-4"]`, to put defaults before a user's own flags."""
     return [item for key, value in settings.items() for item in (f"--{key}", str(value))]
+
+
+def load_reward_function(spec: str, flag: str = "--reward_function"):
+    """The callable named by `spec`, `path/to/file.py:name` or `package.module:name`; a bad spec exits with one
+    line naming `flag`, before any model is loaded."""
+    import importlib
+    import importlib.util
+    import os
+
+    source, _, name = spec.rpartition(":")
+    if not source or not name:
+        raise SystemExit(f"trl-ppo: {flag} {spec}: give `path/to/file.py:function` or `package.module:function`.")
+    try:
+        if source.endswith(".py"):
+            if not os.path.isfile(source):
+                raise SystemExit(f"trl-ppo: {flag} {spec}: no such file {source}.")
+            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(source)
+    except ImportError as error:
+        raise SystemExit(f"trl-ppo: {flag} {spec}: cannot import {source}: {error}.") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise SystemExit(f"trl-ppo: {flag} {spec}: {source} has no function {name!r}.")
+    return function
 
 
 def get_peft_config(model_args: ModelConfig):

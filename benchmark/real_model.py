@@ -1,0 +1,233 @@
+"""trl_ppo against TRL 1.12's PPO trainer on a real pretrained chat model: SmolLM2-135M-Instruct writes one-sentence
+movie reviews, VADER's compound score (in [-1, 1]) is the reward. Same model, prompts, seeds and budget for every
+trainer, fp32 on the CPU, each run in a fresh process:
+
+    python benchmark/real_model.py --seeds 0 1 2 3 4 --out benchmark/real_model.jsonl     # hours on 2 cores
+    python benchmark/real_model.py --smoke                                                 # a few minutes
+
+Trainers ("configs"): `trl` (TRL 1.12, a separate value model initialised from the policy's weights, as TRL's
+example does with its reward model), `trl_ppo` (the same separate value model) and `trl_ppo-value-head`
+(`value_model=None`: a value head on the policy's backbone, with `critic_warmup_steps=5` as in
+`make demo-real`). Per run: the reward curve (`objective/scores` of
+every update), the mean VADER score of greedy reviews of the held-out prompts (the last 100 of
+examples/data/movie_review_prompts.jsonl, never trained on) before and after, episodes per second of training, and
+the process's peak RSS. The summary gives, per config, the mean gain in held-out score and, against `trl`, the mean
+paired difference of the gains with its standard error over seeds.
+
+TRL 1.12 takes only reward models, so there VADER is wrapped in a module of a sequence classifier's shape that
+scores the response of each row (after the last `<|im_start|>assistant\\n`, cut at its first `<|im_end|>`) and
+returns that score at every position (where TRL reads it does not matter); trl_ppo calls the function directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), os.path.join(ROOT, "benchmark")]
+from learning import run_worker  # noqa: E402  (`run_one` of this file in a fresh process)
+from sentiment_rewards import vader_compound, vader_scores  # noqa: E402
+
+PROMPTS = os.path.join(ROOT, "examples", "data", "movie_review_prompts.jsonl")
+CONFIGS = ("trl", "trl_ppo", "trl_ppo-value-head")
+FULL = dict(updates=30, held_out=100, response_length=32)
+SMOKE = dict(updates=2, held_out=8, response_length=8)
+
+
+class VaderBackbone(nn.Module):
+    """Each row's VADER score of its response, as a one-feature hidden state on every position."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        self.stop = tokenizer.eos_token_id
+
+    def response_text(self, ids: list[int]) -> str:
+        width = len(self.header)
+        starts = [i + width for i in range(len(ids) - width + 1) if ids[i : i + width] == self.header]
+        response = ids[starts[-1] :] if starts else []
+        if self.stop in response:
+            response = response[: response.index(self.stop)]
+        return self.tokenizer.decode(response, skip_special_tokens=True)
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        scores = vader_scores([self.response_text(row.tolist()) for row in input_ids])  # padding is cut at the stop
+        hidden = torch.tensor(scores, device=input_ids.device).view(-1, 1, 1).expand(-1, input_ids.size(1), 1)
+        return BaseModelOutput(last_hidden_state=hidden, hidden_states=(hidden,))
+
+
+class VaderRewardModel(nn.Module):
+    """VADER in the shape TRL 1.12's `get_reward` calls: `getattr(model, model.base_model_prefix)` then `score`."""
+
+    base_model_prefix = "vader"
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.vader = VaderBackbone(tokenizer)
+        self.score = nn.Identity()
+
+
+def prompt_splits(tokenizer, held_out: int):
+    """(training dataset of `input_ids`, held-out chat prompts as `input_ids` lists)."""
+    from datasets import Dataset
+
+    rows = [json.loads(line) for line in open(PROMPTS)]
+    ids = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, return_dict=True)["input_ids"]
+           for r in rows]
+    return Dataset.from_dict({"input_ids": ids[: len(ids) - held_out]}), ids[len(ids) - held_out :]
+
+
+@torch.no_grad()
+def greedy_vader(model, tokenizer, prompts: list[list[int]], response_length: int, batch_size: int = 20) -> float:
+    """Mean VADER score of the greedy reviews of `prompts`."""
+    was_training, scores = model.training, []
+    model.eval()
+    for start in range(0, len(prompts), batch_size):
+        batch = tokenizer.pad({"input_ids": prompts[start : start + batch_size]}, padding_side="left",
+                              return_tensors="pt")
+        output = model.generate(**batch, max_new_tokens=response_length, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(output[:, batch["input_ids"].size(1) :], skip_special_tokens=True)
+        scores += vader_scores(texts)
+    model.train(was_training)
+    return sum(scores) / len(scores)
+
+
+def ppo_config(name: str, spec: dict):
+    batch = 8
+    output_dir = os.path.join(spec["output_root"], f"{name}-{spec['seed']}")
+    common = dict(output_dir=output_dir, per_device_train_batch_size=batch,
+                  gradient_accumulation_steps=1, local_rollout_forward_batch_size=batch, num_ppo_epochs=2,
+                  num_mini_batches=2, learning_rate=1e-5, kl_coef=0.05, response_length=spec["response_length"],
+                  temperature=1.0, stop_token="eos", total_episodes=batch * spec["updates"], seed=spec["seed"],
+                  num_sample_generations=0, save_strategy="no", report_to="none", logging_steps=1, bf16=False,
+                  use_cpu=True, disable_tqdm=True)
+    if name == "trl":
+        from trl.experimental.ppo import PPOConfig
+
+        return PPOConfig(**common)
+    from trl_ppo import PPOConfig
+
+    if name == "trl_ppo-value-head":  # the new head learns alone first, as in make demo-real (benchmark/RESULTS.md)
+        common["critic_warmup_steps"] = min(5, spec["updates"] - 1)
+    return PPOConfig(**common)
+
+
+def run_one(spec: dict) -> dict:
+    """Train one config on one seed in this process; -> its result row."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.set_num_threads(spec["threads"])
+    name, model_path = spec["config"], spec["model"]
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    train, held_out = prompt_splits(tokenizer, spec["held_out"])
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    value_model = None
+    if name != "trl_ppo-value-head":
+        value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1,
+                                                                         dtype=torch.float32)
+    before = greedy_vader(policy, tokenizer, held_out, spec["response_length"])
+    if name == "trl":
+        from trl.experimental.ppo import PPOTrainer
+
+        reward = VaderRewardModel(tokenizer)
+    else:
+        from trl_ppo import PPOTrainer
+
+        reward = vader_compound
+    trainer = PPOTrainer(args=ppo_config(name, spec), processing_class=tokenizer, model=policy, ref_model=None,
+                         reward_model=reward, value_model=value_model, train_dataset=train)
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
+    after = greedy_vader(policy, tokenizer, held_out, spec["response_length"])
+    curve = [e["objective/scores"] for e in trainer.state.log_history if "objective/scores" in e]
+    return {"config": name, "seed": spec["seed"], "held_out_before": before, "held_out_after": after,
+            "scores": [round(s, 4) for s in curve], "train_seconds": round(seconds, 1),
+            "episodes_per_second": round(8 * spec["updates"] / seconds, 4),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            **{k: spec[k] for k in ("updates", "held_out", "response_length", "threads")},
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+def summary(rows: list[dict]) -> str:
+    """Per config: mean held-out gain, episodes/s, peak RSS; against `trl`, the paired difference of the gains."""
+    gain = {(r["config"], r["seed"]): r["held_out_after"] - r["held_out_before"] for r in rows}
+    lines = ["| config | seeds | held-out VADER before -> after | gain - TRL's gain (± s.e.) | episodes/s | "
+             "peak RSS MiB |", "|---|---|---|---|---|---|"]
+    for name in CONFIGS:
+        mine = [r for r in rows if r["config"] == name]
+        if not mine:
+            continue
+        diffs = [gain[name, r["seed"]] - gain["trl", r["seed"]] for r in mine if ("trl", r["seed"]) in gain]
+        versus = "—" if name == "trl" or not diffs else f"{mean(diffs):+.3f}"
+        versus += f" ± {standard_error(diffs):.3f}" if len(diffs) > 1 else ""
+        lines.append(f"| {name} | {len(mine)} | {mean([r['held_out_before'] for r in mine]):+.3f} -> "
+                     f"{mean([r['held_out_after'] for r in mine]):+.3f} | {versus} | "
+                     f"{mean([r['episodes_per_second'] for r in mine]):.3f} | "
+                     f"{mean([r['peak_rss_mib'] for r in mine]):.0f} |")
+    return "\n".join(lines)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def standard_error(values: list[float]) -> float:
+    if len(values) < 2:
+        return float("nan")
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--smoke", action="store_true", help="1 seed, 2 updates, 8 held-out prompts, 8 tokens")
+    parser.add_argument("--model", default=None, help="a SmolLM2 folder (default: fetched into .cache/)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None, help="append one JSON line per run to this file")
+    parser.add_argument("--output_root", default=os.path.join(ROOT, "runs", "real_model"))
+    args = parser.parse_args()
+    if args.worker is not None:
+        print(json.dumps(run_one(json.loads(args.worker))), flush=True)
+        return
+    model = args.model
+    if model is None:
+        from get_smollm2 import get_smollm2
+
+        model = str(get_smollm2(os.path.join(ROOT, ".cache", "smollm2-135m-instruct"),
+                                cache_dir=os.path.join(ROOT, ".cache", "wheels")))
+    budget, seeds = (SMOKE, args.seeds[:1]) if args.smoke else (FULL, args.seeds)
+    rows = []
+    for seed in seeds:
+        for name in args.configs:
+            spec = dict(budget, config=name, seed=seed, model=model, threads=args.threads,
+                        output_root=args.output_root)
+            row = run_worker(spec, script=__file__)
+            if row is None:
+                continue
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as handle:
+                    handle.write(json.dumps(row) + "\n")
+    print(summary(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""TRL's gpt2-sentiment notebook, for real, with trl <= 0.11's `step()` API (`trl_ppo.legacy`): SmolLM2-135M-Instruct
+writes one-sentence movie reviews and VADER's compound score is the reward. The loop is the notebook's: `generate`,
+score, `step`, `log_stats`. Offline and on the CPU:
+
+    python examples/scripts/get_smollm2.py smollm2-135m-instruct
+    python examples/scripts/sentiment_legacy.py --model smollm2-135m-instruct --steps 30
+
+Before and after training it samples a review for each held-out prompt (the last 18 of the prompt file, which
+training never sees), prints their mean VADER score and a table of the first few.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from datasets import load_dataset
+from transformers import AutoTokenizer
+
+from trl_ppo.legacy import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, create_reference_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sentiment_rewards import vader_scores  # noqa: E402
+
+PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "movie_review_prompts.jsonl")
+HELD_OUT = 18
+
+
+def chat_dataset(tokenizer, path: str):
+    """(training rows, held-out rows): `input_ids` of each chat prompt rendered with the chat template."""
+    rows = load_dataset("json", data_files=path, split="train")
+    rows = rows.map(lambda row: {"input_ids": tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                                                            return_dict=True)["input_ids"]})
+    rows.set_format("torch", columns=["input_ids"], output_all_columns=True)
+    return rows.select(range(len(rows) - HELD_OUT)), rows.select(range(len(rows) - HELD_OUT, len(rows)))
+
+
+def held_out_reviews(ppo_trainer, held_out, generation_kwargs, seed: int) -> list[str]:
+    torch.manual_seed(seed)  # the same draws before and after training
+    responses = ppo_trainer.generate(list(held_out["input_ids"]), return_prompt=False, **generation_kwargs)
+    return ppo_trainer.tokenizer.batch_decode(responses, skip_special_tokens=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the folder get_smollm2.py wrote")
+    parser.add_argument("--prompts", default=PROMPTS)
+    parser.add_argument("--steps", type=int, default=30, help="PPO steps of --batch_size episodes")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--response_length", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", default=None, help="append the before/after figures to this JSON-lines file")
+    args = parser.parse_args()
+    torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
+
+    config = PPOConfig(model_name=args.model, learning_rate=args.learning_rate, batch_size=args.batch_size,
+                       mini_batch_size=args.batch_size // 2, ppo_epochs=2, init_kl_coef=0.05, adap_kl_ctrl=False,
+                       seed=args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")  # its pad token is <|im_end|>
+    train_rows, held_out = chat_dataset(tokenizer, args.prompts)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(args.model)
+    ref_model = create_reference_model(model)
+
+    def collator(data):
+        return {key: [d[key] for d in data] for key in data[0]}
+
+    ppo_trainer = PPOTrainer(config, model, ref_model, tokenizer, dataset=train_rows, data_collator=collator)
+    generation_kwargs = {"min_length": -1, "top_k": 0.0, "top_p": 1.0, "do_sample": True,
+                         "pad_token_id": tokenizer.eos_token_id, "max_new_tokens": args.response_length}
+
+    before = held_out_reviews(ppo_trainer, held_out, generation_kwargs, args.seed)
+    start, step, rewards_per_step = time.time(), 0, []
+    while step < args.steps:
+        for batch in ppo_trainer.dataloader:
+            query_tensors = batch["input_ids"]
+            response_tensors = ppo_trainer.generate(query_tensors, return_prompt=False, **generation_kwargs)
+            batch["query"] = tokenizer.batch_decode(query_tensors, skip_special_tokens=True)
+            batch["response"] = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
+            rewards = [torch.tensor(score) for score in vader_scores(batch["response"])]
+            stats = ppo_trainer.step(query_tensors, response_tensors, rewards)
+            ppo_trainer.log_stats(stats, batch, rewards)
+            rewards_per_step.append(torch.stack(rewards).mean().item())
+            step += 1
+            print(f"step {step}: mean VADER {rewards_per_step[-1]:+.3f}, KL {stats['objective/kl']:.2f}", flush=True)
+            if step == args.steps:
+                break
+    seconds = time.time() - start
+    after = held_out_reviews(ppo_trainer, held_out, generation_kwargs, args.seed)
+
+    vader_before, vader_after = vader_scores(before), vader_scores(after)
+    mean_before, mean_after = sum(vader_before) / len(before), sum(vader_after) / len(after)
+    print(f"\nHeld-out mean VADER (sampled, {len(before)} prompts): {mean_before:+.3f} -> {mean_after:+.3f} "
+          f"after {args.steps} steps ({seconds:.0f} s of training)\n")
+    for i in range(6):
+        print(f"{held_out[i]['title']}\n  before ({vader_before[i]:+.2f}): {before[i]!r}\n"
+              f"  after  ({vader_after[i]:+.2f}): {after[i]!r}")
+    if args.json:
+        with open(args.json, "a") as handle:
+            row = {"api": "legacy", "seed": args.seed, "steps": args.steps, "vader_before": mean_before,
+                   "vader_after": mean_after, "train_seconds": seconds}
+            handle.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
