@@ -14,7 +14,16 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 
+from transformers import PreTrainedTokenizerBase  # noqa: E402
+
+from trl_ppo.agents.chat import has_parsing_api  # noqa: E402
 from trl_ppo.default_job import build_word_tokenizer  # noqa: E402
+
+# Tools parse tool calls with `parse_response(..., prefix=...)` (transformers 5.24 on); `make test-oldest` runs 5.3,
+# where tools are refused at construction instead (tested there by test_agent_training).
+needs_tool_parsing = pytest.mark.skipif(
+    not has_parsing_api(PreTrainedTokenizerBase), reason="tools need transformers >= 5.24 (parse_response with prefix)"
+)
 
 ARCHITECTURES = ("gpt_neox", "llama", "qwen2")
 

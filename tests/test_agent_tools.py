@@ -5,6 +5,7 @@ templates)."""
 import asyncio
 
 import pytest
+from conftest import needs_tool_parsing
 from transformers.utils import get_json_schema
 
 from trl_ppo.agents.chat import ToolChat, check_parsing_api
@@ -174,6 +175,7 @@ def test_async_tools_of_one_batch_run_concurrently():
 
 
 # ------------------------------------------------------------------------------------------------- chat
+@needs_tool_parsing
 def test_tool_calls_are_parsed_with_the_tokenizers_response_template(tool_tokenizer):
     chat = ToolChat(tool_tokenizer, schemas(toolbox([multiply])), tool_tokenizer.eos_token_id)
     prompt = _ids(tool_tokenizer, [{"role": "user", "content": "6*7?"}], add_generation_prompt=True)
@@ -187,6 +189,7 @@ def test_tool_calls_are_parsed_with_the_tokenizers_response_template(tool_tokeni
     assert chat.parse_tool_calls(broken, prompt) == ([], True)
 
 
+@needs_tool_parsing
 def test_tool_answers_are_the_chat_templates_ids_after_the_models_own_tokens(tool_tokenizer):
     """Token in, token out: prompt + the model's ids + the answer's ids render the conversation exactly."""
     tokenizer = tool_tokenizer
@@ -212,6 +215,7 @@ def test_tool_answers_are_the_chat_templates_ids_after_the_models_own_tokens(too
     assert long.truncated == 1 and "x" * 10 + "\n" in text and "x" * 11 not in text
 
 
+@needs_tool_parsing
 def test_a_tokenizer_that_cannot_do_tools_is_refused_saying_what_to_add(tool_tokenizer, tokenizer):
     tools = schemas(toolbox([multiply]))
     with pytest.raises(ValueError, match="does not render messages of role 'tool'|does not show the tools"):
@@ -225,6 +229,7 @@ def test_a_tokenizer_that_cannot_do_tools_is_refused_saying_what_to_add(tool_tok
         ToolChat(_with(tool_tokenizer, chat_template=no_tool_role), tools, tool_tokenizer.eos_token_id)
 
 
+@needs_tool_parsing
 def test_a_chat_template_that_rewrites_earlier_turns_is_refused(tool_tokenizer):
     """Like thinking templates that drop earlier `<think>` blocks: an assistant's text shows only in the last turn."""
     rewriting = CHAT_TEMPLATE.replace("{{ message.content or '' }}", "{{ message.content if loop.last else '' }}")

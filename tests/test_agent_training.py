@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from conftest import build_trainer, tiny_config
+from conftest import build_trainer, needs_tool_parsing, tiny_config
 from trl_ppo import PPOTrainer
 from trl_ppo.agents import runner as agent_runner_module
 from trl_ppo.agents.runner import AgentRunner
+from trl_ppo.agents.chat import has_parsing_api
 from trl_ppo.agents.tiny_chat import build_tool_tokenizer
 
 
@@ -104,6 +105,7 @@ def scripted_sampler(tokenizer):
     return make
 
 
+@needs_tool_parsing
 def test_train_plays_multi_turn_episodes_with_tools_and_environments(make_config, tool_tokenizer, monkeypatch):
     seen = []
 
@@ -145,9 +147,16 @@ def test_agent_settings_are_checked_at_construction(make_config, tokenizer, load
         build_trainer(make_config(**overrides), tokenizer, load_models, tools=[multiply] if tools else None)
 
 
+@needs_tool_parsing
 def test_a_tokenizer_without_a_tool_template_is_refused_at_construction(make_config, tokenizer, load_models):
     with pytest.raises(ValueError, match="has no `response_template`"):
         build_trainer(make_config(max_turns=2), tokenizer, load_models, tools=[multiply])
+
+
+@pytest.mark.skipif(has_parsing_api(PreTrainedTokenizerBase), reason="this transformers has the parsing API")
+def test_tools_on_a_transformers_without_the_parsing_api_are_refused_naming_the_version(make_config, load_models):
+    with pytest.raises(ImportError, match=r"install transformers>=5\.24"):
+        build_trainer(make_config(max_turns=2), build_tool_tokenizer(), load_models, tools=[multiply])
 
 
 def test_one_turn_through_the_turn_loop_is_bit_identical_to_single_turn_sampling(
@@ -179,6 +188,7 @@ def test_one_turn_through_the_turn_loop_is_bit_identical_to_single_turn_sampling
 
 
 @pytest.mark.slow
+@needs_tool_parsing
 def test_the_readme_agents_example_runs(tmp_path):
     """The README's example, as a user would run it: a script of its own (a subprocess)."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
@@ -213,6 +223,7 @@ def random_sampler(tokenizer):
     return make
 
 
+@needs_tool_parsing
 def test_a_multi_turn_run_resumes_bit_identical(make_config, tool_tokenizer, monkeypatch, tmp_path):
     """4 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit."""
     monkeypatch.setattr(agent_runner_module, "turn_sampler", random_sampler(tool_tokenizer))
@@ -241,6 +252,7 @@ def test_a_multi_turn_run_resumes_bit_identical(make_config, tool_tokenizer, mon
     assert logs[0] == logs[1]
 
 
+@needs_tool_parsing
 def test_evaluation_and_the_completions_table_play_whole_episodes(make_config, tool_tokenizer, monkeypatch):
     def says_42(prompts, completions, environments=None, **columns):
         return [1.0 if "42." in completion else 0.0 for completion in completions]

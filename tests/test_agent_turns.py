@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from conftest import needs_tool_parsing
 
 from trl_ppo import ppo
 from trl_ppo.agents.chat import ToolChat
@@ -10,6 +11,8 @@ from trl_ppo.agents.execution import ToolResult
 from trl_ppo.agents.tiny_chat import build_tool_tokenizer
 from trl_ppo.agents.tools import schemas, toolbox
 from trl_ppo.agents.turn_loop import Episode, episodes_rollout, run_turns
+
+pytestmark = needs_tool_parsing
 
 
 def multiply(a: int, b: int) -> int:

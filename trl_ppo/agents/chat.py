@@ -138,12 +138,16 @@ def _template_problem(what: str) -> str:
     )
 
 
+def has_parsing_api(tokenizer_class) -> bool:
+    """Whether the installed transformers gives `tokenizer_class` `parse_response(..., prefix=...)` (5.24 on)."""
+    parse = getattr(tokenizer_class, "parse_response", None)
+    return parse is not None and "prefix" in inspect.signature(parse).parameters
+
+
 def check_parsing_api(tokenizer) -> None:
     """Refuse a transformers without the `parse_response(..., prefix=...)` API, or a tokenizer without a
     `response_template` for it, naming what to install or set."""
-    parse = getattr(type(tokenizer), "parse_response", None)
-    parameters = inspect.signature(parse).parameters if parse is not None else {}
-    if "prefix" not in parameters:
+    if not has_parsing_api(type(tokenizer)):
         raise ImportError(
             f"Tools parse the model's tool calls with `tokenizer.parse_response(..., prefix=...)` and a "
             f"`response_template`, which transformers {transformers.__version__} does not have: install "
