@@ -352,7 +352,7 @@ def test_max_steps_is_the_number_of_updates_and_overrides_total_episodes(tmp_pat
     with caplog.at_level(logging.WARNING):
         compute_batch_sizes(config, world_size=1, train_dataset_len=144)
     assert (config.num_total_batches, config.total_episodes) == (3, 96)
-    assert "`max_steps` (3) overrides `total_episodes` (3200): 3 updates of `batch_size` (32) episodes" in caplog.text
+    assert "`max_steps` (3) overrides `total_episodes` (3200): 3 update(s) of `batch_size` (32) episodes" in caplog.text
     unset = PPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4)
     compute_batch_sizes(unset, world_size=2, train_dataset_len=1000)
     assert (unset.num_total_batches, unset.total_episodes) == (2, 16)

@@ -23,22 +23,29 @@ def _exact_div(numerator: int, denominator: int, what: str, numerator_name: str,
     return numerator // denominator
 
 
+def total_episodes(args: OnPolicyConfig, train_dataset_len: int) -> int:
+    """The run's episodes: `max_steps` updates of `batch_size` when set (as in `transformers`, where it overrides
+    `num_train_epochs`), else `total_episodes`, else `num_train_epochs` passes over the prompts."""
+    if args.max_steps > 0:
+        episodes = args.max_steps * args.batch_size
+        if args.total_episodes is not None and args.total_episodes != episodes:
+            logger.warning(
+                f"`max_steps` ({args.max_steps}) overrides `total_episodes` ({args.total_episodes}): {args.max_steps} "
+                f"update(s) of `batch_size` ({args.batch_size}) episodes, {episodes} episodes in all."
+            )
+        return episodes
+    if args.total_episodes is None:
+        return int(args.num_train_epochs * train_dataset_len)
+    return args.total_episodes
+
+
 def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len: int) -> None:
     """Fill the derived batch sizes of `args` in place, raising a clear error when a division is inexact."""
     args.world_size = world_size
     args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     args.micro_batch_size = args.per_device_train_batch_size * world_size
     args.batch_size = args.local_batch_size * world_size
-    if args.max_steps > 0:  # as in `transformers`, where it overrides `num_train_epochs`
-        episodes = args.max_steps * args.batch_size
-        if args.total_episodes is not None and args.total_episodes != episodes:
-            logger.warning(
-                f"`max_steps` ({args.max_steps}) overrides `total_episodes` ({args.total_episodes}): {args.max_steps} "
-                f"updates of `batch_size` ({args.batch_size}) episodes, {episodes} episodes in all."
-            )
-        args.total_episodes = episodes
-    elif args.total_episodes is None:
-        args.total_episodes = int(args.num_train_epochs * train_dataset_len)
+    args.total_episodes = total_episodes(args, train_dataset_len)
     args.mini_batch_size = _exact_div(
         args.batch_size,
         args.num_mini_batches,
