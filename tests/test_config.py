@@ -287,7 +287,7 @@ INF, NAN = float("inf"), float("nan")
         (dict(kl_coef=INF), "kl_coef"),
         (dict(kl_coef=1e30), "kl_coef"),
         (dict(kl_target=6.0, kl_horizon=INF), "kl_horizon"),
-        (dict(temperature=1e-45), "temperature"),
+        (dict(temperature=1e-65), "temperature"),
         (dict(temperature=NAN), "temperature"),
         # Issue 28.9: accepted silently.
         (dict(max_grad_norm=-1.0), "max_grad_norm"),
@@ -323,7 +323,7 @@ def test_none_or_a_string_where_a_number_belongs_names_the_field(tmp_path, overr
 def test_the_bounds_let_the_extremes_of_sane_values_through(tmp_path):
     PPOConfig(
         output_dir=str(tmp_path),
-        temperature=1e-4,
+        temperature=1e-6,
         kl_coef=1e3,
         vf_coef=1e3,
         missing_eos_penalty=0.0,
@@ -336,7 +336,7 @@ def test_the_bounds_let_the_extremes_of_sane_values_through(tmp_path):
 
 
 def test_sampling_at_the_lowest_temperature_allowed_trains(make_config, tokenizer, load_models, prompt_dataset):
-    config = make_config(temperature=1e-4, total_episodes=8, num_ppo_epochs=1)
+    config = make_config(temperature=1e-6, total_episodes=8, num_ppo_epochs=1)
     trainer = build_trainer(config, tokenizer, load_models, prompt_dataset)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss/value_avg" in entry]

@@ -24,9 +24,10 @@ SEED_RANGE = (0, 2**32 - 1)
 # 1e38 makes the loss's gradient infinite, and every weight NaN after one step).
 MAX_COEFFICIENT = 1e3
 
-# Below this temperature sampling is greedy to float precision already (a logit gap of 0.01 becomes 100 nats),
-# and a smaller one only overflows: logits / 1e-45 are infinite, and torch then refuses to sample.
-MIN_TEMPERATURE = 1e-4
+# Below this temperature sampling is greedy to float precision already (a logit gap of 1e-4 becomes 100 nats; tests
+# use 1e-6 for near-greedy runs), and a much smaller one only overflows: logits / 1e-45 are infinite, and torch then
+# refuses to sample.
+MIN_TEMPERATURE = 1e-6
 
 # (field, lowest, highest, why): each bound inclusive, None for none; every value must also be finite.
 BOUNDS = (
