@@ -19,6 +19,7 @@ def _load(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_side_by_side_tiny_run_writes_rows_a_table_and_a_plot(tmp_path):
     pytest.importorskip("trl", reason="TRL 1.12 comes with the dev and bench extras")
     results = tmp_path / "results.jsonl"

@@ -98,6 +98,7 @@ def local_model_flags(model_paths, arch, prompts_file, output_dir):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["examples/scripts/ppo.py", "examples/scripts/ppo_tldr.py"])
 def test_example_scripts_on_local_models_and_data(script, model_paths, prompts_file, tmp_path):
     output = run([script, *local_model_flags(model_paths, "llama", prompts_file, str(tmp_path / "out")), *SMALL_RUN])
@@ -105,6 +106,7 @@ def test_example_scripts_on_local_models_and_data(script, model_paths, prompts_f
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out") is not None
 
 
+@pytest.mark.slow
 def test_trl_style_script_runs_with_only_the_import_changed(model_paths, prompts_file, tmp_path):
     flags = local_model_flags(model_paths, "gpt_neox", prompts_file, str(tmp_path / "out"))
     output = run(

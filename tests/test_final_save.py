@@ -31,6 +31,7 @@ def run(output_dir, moment):
         ("full_disk", "Could not write the run's log and curves: OSError"),
     ],
 )
+@pytest.mark.slow
 def test_the_trained_model_survives_the_end_of_the_run(tmp_path, moment, says):
     code, output = run(tmp_path / "run", moment)
     assert code == 0, output[-4000:]

@@ -95,6 +95,7 @@ def test_trl_reward_module_scores_exactly_like_the_trl_ppo_reward_function(task)
     assert recorder.flush() == pytest.approx(6 / 11)  # the module counts the correct answers it scored
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_rows_a_table_and_a_plot(tmp_path):
     pytest.importorskip("trl", reason="TRL 1.12 comes with the dev and bench extras")
     results, plot = tmp_path / "learning.jsonl", tmp_path / "learning.png"

@@ -96,6 +96,7 @@ def test_gradient_checkpointing_and_the_legacy_config_emit_no_deprecation_warnin
     assert any(getattr(module, "gradient_checkpointing", False) for module in policy.modules())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed finds the GPU and says nothing")
 def test_deepspeed_cpu_notice_is_dropped_and_its_other_messages_kept():

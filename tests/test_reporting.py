@@ -41,6 +41,7 @@ def test_yaml_config_file_and_flags_that_override_it(tmp_path):
         parse(["--config", write_yaml(tmp_path / "bad.yaml", "lerning_rate: 0.1\n")])
 
 
+@pytest.mark.slow
 def test_trl_ppo_train_from_a_yaml_file_then_plot(tmp_path, model_paths, prompts_file):  # noqa: F811
     policy_path, value_path = model_paths["gpt_neox"]
     output_dir = tmp_path / "out"

@@ -243,6 +243,7 @@ def _run_script(output_dir, *extra, signal_after_update=None):
     return process.returncode, lines, stderr
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_exits_zero_and_resumes_to_the_same_result(tmp_path):
     code, straight, err = _run_script(tmp_path / "straight")
     assert code == 0, err[-3000:]
