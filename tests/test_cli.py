@@ -68,7 +68,7 @@ def test_default_job_trains_and_saves(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_whole_default_job_is_a_healthy_run_by_the_readmes_table(tmp_path):
-    """`make demo` as shipped (100 updates, about 13 s on 2 cores): each metric moves the way the README's "what healthy
+    """`make demo` as shipped (100 updates, under half a minute on 2 cores): each metric moves the way the README's "what healthy
     values look like" table says, and the completions learn to end (issue 18, item 6)."""
     main(["--output_dir", str(tmp_path / "run"), "--num_sample_generations", "0"])
     logged = [e for e in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]]

@@ -1,6 +1,6 @@
 """PPO on a prompt dataset, with the PPOv2 flags you know from TRL.
 
-Without --model_name_or_path it trains the tiny embedded default (offline, about 13 s on 2 CPU cores):
+Without --model_name_or_path it trains the tiny embedded default (offline, about half a minute on 2 CPU cores):
 
     python examples/scripts/ppo.py
 
