@@ -276,6 +276,29 @@ def test_each_reward_gets_its_own_copy_of_the_lists(tokenizer):
     assert len(seen["completions"]) == 2 and seen["reference"] == ["first", "second"] == batch["reference"]
 
 
+def test_rewards_get_the_episodes_environments_themselves_not_copies(tokenizer):
+    """An environment may hold what cannot be copied (a lock, a socket, a process); a reward reads its state."""
+    import threading
+
+    class Terminal:
+        def __init__(self):
+            self.lock, self.commands = threading.Lock(), ["ls"]
+
+    environments = [Terminal(), Terminal()]
+    seen = []
+
+    def any_columns(prompts, completions, **columns):
+        seen.append(columns["environments"])
+        return [0.0] * len(completions)
+
+    def named(completions, environments):
+        seen.append(environments)
+        return [float(len(e.commands)) for e in environments]
+
+    score_two_episodes([any_columns, named], tokenizer, {"environments": environments})
+    assert len(seen) == 2 and all(a is b for got in seen for a, b in zip(got, environments))
+
+
 def test_a_huge_score_names_the_reward_and_the_update(make_config, tokenizer, load_models):
     def huge(prompts, completions):
         return [1e30] * len(completions)

@@ -207,13 +207,15 @@ def reward_arguments(
     """The keyword arguments `reward_function` takes, out of `available` (`prompts`, `completions` and the
     columns of `source`): all of them for a function with `**kwargs`, else only the ones it names, so
     `lambda prompts, completions: ...` works. A parameter it requires that is not available is an error naming
-    the reward. Each value is a copy: a reward that mutates its lists cannot change what the next one sees."""
+    the reward. Each data value is a copy: a reward that mutates its lists cannot change what the next one sees;
+    `environments` are the episodes' live instances, passed as they are (a reward reads their state, and an
+    environment may hold a lock, a socket or a process that cannot be copied)."""
     try:
         parameters = inspect.signature(reward_function).parameters.values()
     except (TypeError, ValueError):  # no signature to read (some builtins): give it everything
         parameters = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
     if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return copy.deepcopy(available)
+        return copied_arguments(available)
     named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     required = [p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_POSITIONAL]
     missing = [parameter for parameter in required if parameter not in named or parameter not in available]
@@ -225,7 +227,14 @@ def reward_arguments(
             f"({', '.join(columns) or 'none'}). Name its parameters after those, give the others defaults, or add "
             "`**columns`."
         )
-    return copy.deepcopy({key: value for key, value in available.items() if key in named})
+    return copied_arguments({key: value for key, value in available.items() if key in named})
+
+
+LIVE_ARGUMENTS = ("environments",)  # passed by reference, never copied
+
+
+def copied_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    return {key: value if key in LIVE_ARGUMENTS else copy.deepcopy(value) for key, value in arguments.items()}
 
 
 def check_reward_columns(rewards: list[Reward], dataset, name: str) -> None:
