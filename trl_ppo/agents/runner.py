@@ -145,8 +145,8 @@ class AgentRunner:
 
 
 def environment_rewards(prompts, completions, environments=None, **columns) -> list[float | None]:
-    """Each episode's `environment.get_reward()`; None (no score) where the batch has no environments (prompts
-    sampled outside the turn loop, as in evaluation)."""
+    """Each episode's `environment.get_reward()`; None (no score) where the batch has no environments (episodes
+    that did not come from the turn loop: those given to `step()`)."""
     if environments is None:
         return [None] * len(completions)
     return [environment_reward(environment) for environment in environments]
