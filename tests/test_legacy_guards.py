@@ -222,9 +222,16 @@ def reward_adapter_folder(gpt2_path, folder):
     return inputs, before, after
 
 
-def test_reward_adapter_scores_on_the_policy_backbone_and_stays_frozen(gpt2_path, tokenizer, tmp_path):
-    from peft import LoraConfig
+@pytest.mark.parametrize("peft_before_0_19", [False, True])
+def test_reward_adapter_scores_on_the_policy_backbone_and_stays_frozen(
+    gpt2_path, tokenizer, tmp_path, monkeypatch, peft_before_0_19
+):
+    from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM
+
+    if peft_before_0_19:  # pyproject admits peft>=0.15; `set_adapter` took no `inference_mode` before 0.19
+        newer = PeftModel.set_adapter
+        monkeypatch.setattr(PeftModel, "set_adapter", lambda self, adapter_name: newer(self, adapter_name))
 
     inputs, untrained, trained = reward_adapter_folder(gpt2_path, tmp_path / "rm_adapter")
     assert not torch.allclose(untrained, trained)

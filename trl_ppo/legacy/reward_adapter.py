@@ -73,7 +73,9 @@ def reward_scores(lm: nn.Module, score: nn.Linear, reward_adapter: str, policy_a
     the final hidden states with the reward adapter active; the policy's adapter is active again afterwards, and
     the training mode is restored (dropout is off while scoring)."""
     was_training = lm.training
-    lm.set_adapter(reward_adapter, inference_mode=True)
+    # No `inference_mode=True` (PEFT >= 0.19 only): under no_grad the adapter's trainability does not matter, and
+    # switching back to the policy's adapter below freezes every other adapter again.
+    lm.set_adapter(reward_adapter)
     lm.eval()
     try:
         output = lm(**inputs, output_hidden_states=True, return_dict=True)
