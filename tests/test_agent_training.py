@@ -266,3 +266,24 @@ def test_evaluation_and_the_completions_table_play_whole_episodes(make_config, t
     assert response.count("[tool]") == 2 and "[tool]\nuser\n<tool_response>\n42\n</tool_response>" in response
     metrics = trainer.evaluate(eval_dataset=shop_dataset())
     assert metrics["eval_objective/scores"] == 1.5 and metrics["eval_objective/scores/environment"] == 0.5
+
+
+@needs_tool_parsing
+def test_prompts_grown_by_their_tools_are_fitted_to_max_prompt_length_and_the_context(make_config, tool_tokenizer):
+    """The dataset's prompts fit; rendered with the tools' schemas and `reset`'s text they are ~500 tokens."""
+
+    def nothing(completions):
+        return [0.0] * len(completions)
+
+    def trainer(**overrides):
+        made = agent_trainer(make_config, tool_tokenizer, nothing, response_length=64, total_episodes=2, **overrides)
+        made.model.config.max_position_embeddings = 256  # what `context_length` reads
+        return made
+
+    with pytest.raises(ValueError, match=r"An episode's prompt has \d{3} tokens once rendered with its tools.*"
+                                         r"exceeds the model's context \(256 positions\).*at most 192"):
+        trainer().train()
+    fitted = trainer(max_prompt_length=192)
+    fitted.train()
+    assert fitted.state.global_step == 1
+    assert max(len(episode.query) for episode in fitted.agents.episodes) == 192

@@ -9,17 +9,21 @@ import copy
 from collections.abc import Mapping
 
 import torch
+from transformers.utils import logging
 
 from .. import distributed as dist
 from .. import ppo
 from ..config_checks import stop_and_penalty_tokens
 from ..data import LeftPaddingCollator, is_conversational, prompts_on_device
+from ..models import context_length
 from ..rewards import Reward
 from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
 from .chat import ToolChat
 from .environments import Environments, environment_reward
 from .tools import schemas, toolbox
 from .turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
+
+logger = logging.get_logger(__name__)
 
 ENVIRONMENT_REWARD = "environment"  # the name of the reward that `get_reward()` gives
 
@@ -62,9 +66,10 @@ class AgentRunner:
         self.episodes: list[Episode] = []  # those of the latest rollout
 
     # ------------------------------------------------------------------------------------------ episodes
-    def start_episodes(self, batch: dict) -> list[Episode]:
+    def start_episodes(self, batch: dict, args, context: int | None) -> list[Episode]:
         """One episode per row of a collated batch: its environment made and reset with the row, its prompt
-        rendered with its tools (chat-message prompts) and with the text `reset` returned."""
+        rendered with its tools (chat-message prompts) and with the text `reset` returned, then fitted as the
+        dataset's prompts were (`fit_query`): the tools and `reset`'s text made it longer."""
         columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
         episodes = []
         queries, query_mask = prompts_on_device(batch, "cpu", self.tokenizer.pad_token_id)
@@ -73,7 +78,8 @@ class AgentRunner:
             environment, added = self.environments.create(row) if self.environments is not None else (None, None)
             tools = toolbox(self.tools, environment)
             query = self._prompt(ids[mask].tolist(), row.get("prompt"), tools, added)
-            episodes.append(Episode(query, tools, environment))
+            episodes.append(Episode(fit_query(query, args.max_prompt_length, args.response_length, context), tools,
+                                    environment))
         return episodes
 
     def _prompt(self, ids: list[int], prompt, tools, added: str | None) -> list[int]:
@@ -90,7 +96,7 @@ class AgentRunner:
     def collect(self, batch: dict, models, sampling: Sampling, args) -> Rollout:
         """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`.
         The batch gains an `environments` column (reward functions receive it)."""
-        episodes = self.start_episodes(batch)
+        episodes = self.start_episodes(batch, args, context_length(models.wrapper.lm))
         sync = dist.deepspeed_zero_stage(models.accelerator) == 3 and models.accelerator.num_processes > 1
         device = models.accelerator.device
         run_turns(
@@ -142,6 +148,25 @@ class AgentRunner:
             "env/truncated_tool_responses": cut,
             "val/env_token_frac": env_tokens / max(tokens, 1),
         }
+
+
+def fit_query(query: list[int], max_prompt_length: int | None, response_length: int, context: int | None) -> list[int]:
+    """An episode's prompt cut to `max_prompt_length` (its end kept, as `data.fit_prompts` cuts the dataset's),
+    checked to leave `response_length` positions of the model's context for the episode's turns."""
+    if max_prompt_length is not None and len(query) > max_prompt_length:
+        logger.warning_once(
+            f"Prompts rendered with their tools (and the text of the environment's `reset`) grew beyond "
+            f"`max_prompt_length` ({max_prompt_length}) and are cut to their last {max_prompt_length} tokens."
+        )
+        query = query[-max_prompt_length:]
+    if context is not None and len(query) + response_length > context:
+        raise ValueError(
+            f"An episode's prompt has {len(query)} tokens once rendered with its tools (and the text of the "
+            f"environment's `reset`); with `response_length` ({response_length}) that exceeds the model's context "
+            f"({context} positions). Set `max_prompt_length` to at most {max(context - response_length, 0)}, or "
+            "lower `response_length`."
+        )
+    return query
 
 
 def environment_rewards(prompts, completions, environments=None, **columns) -> list[float | None]:
