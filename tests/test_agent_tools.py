@@ -151,6 +151,24 @@ def test_failures_are_answers_not_crashes():
     assert results[2][0] == ToolResult("buy", "bought pear", reward=0.5) and shop.bought == ["pear"]
 
 
+def test_only_text_and_a_number_is_a_turn_reward():
+    def returns(value):
+        def tool() -> object:
+            """Return a fixed value."""
+            return value
+
+        return {"tool": make_tool(tool, "`tools`")}
+
+    answers = [(48.85, 2.35), (7, 3), ("yes", True), ("done", 2)]
+    results = execute_calls([[ToolCall("tool", {})]] * 4, [returns(value) for value in answers])
+    assert [r[0] for r in results[:3]] == [
+        ToolResult("tool", "[48.85, 2.35]"), ToolResult("tool", "[7, 3]"), ToolResult("tool", '["yes", true]')
+    ]
+    assert results[3][0] == ToolResult("tool", "done", reward=2.0)
+    with pytest.raises(ValueError, match=r"Tool 'tool' returned the turn reward nan: a turn reward must be finite"):
+        execute_calls([[ToolCall("tool", {})]], [returns(("oops", float("nan")))])
+
+
 def test_async_tools_of_one_batch_run_concurrently():
     """Each call waits until all of them have started: run one after another, each would time out."""
     started, count = [], 3

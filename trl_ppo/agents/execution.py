@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 from dataclasses import dataclass
 
 from ..rewards import call_reward_function
@@ -70,9 +71,10 @@ def _bind(call: ToolCall, tools: dict[str, Tool]):
 
 def _run_sync(name: str, run) -> ToolResult:
     try:
-        return _as_result(name, run())
+        returned = run()
     except Exception as error:  # the tool's own failure is the model's to read, not the run's end
-        return _as_result(name, error)
+        returned = error
+    return _as_result(name, returned)  # a non-finite turn reward is the tool's bug: it ends the run
 
 
 def _run_async(runs: list) -> list:
@@ -88,8 +90,12 @@ def _as_result(name: str, returned) -> ToolResult:
     if isinstance(returned, BaseException):
         return ToolResult(name, f"Error: {name} raised {type(returned).__name__}: {returned}", error=True)
     reward = 0.0
-    if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[1], (int, float)):
+    # Only `(str, number)` is `(text, reward)`: `divmod(7, 2)` or `(48.85, 2.35)` are answers, and so is a bool.
+    if (isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], str)
+            and isinstance(returned[1], (int, float)) and not isinstance(returned[1], bool)):
         returned, reward = returned
+        if not math.isfinite(reward):
+            raise ValueError(f"Tool {name!r} returned the turn reward {reward}: a turn reward must be finite.")
     if not isinstance(returned, str):
         try:
             returned = json.dumps(returned)
