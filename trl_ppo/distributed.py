@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -17,6 +19,8 @@ from torch import nn
 # different prompts, while the data order (seeded by `seed` alone) is the same everywhere. A large prime keeps the
 # seeds of runs with neighbouring `seed` values apart.
 PROCESS_SEED_STRIDE = 100003
+
+T = TypeVar("T")
 
 
 def process_seed(seed: int, process_index: int) -> int:
@@ -213,6 +217,22 @@ def sampling_needs_sync(accelerator, gather: bool) -> bool:
     """Whether every process must run the same number of forwards while sampling: under ZeRO-3 without gathered
     weights each forward is a collective, so a process whose responses all stopped keeps stepping with the others."""
     return deepspeed_zero_stage(accelerator) == 3 and not gather and accelerator.num_processes > 1
+
+
+def checked_on_every_process(check: Callable[[], T], device: torch.device, what: str) -> T:
+    """`check()`'s result, once it passed on every process. A check of this process's own inputs (`step()`'s
+    episodes, `generate()`'s queries) may fail on one process only: then every process raises, so that none is
+    left waiting in the next collective for one that stopped. The failing process raises its own error."""
+    try:
+        result, error = check(), None
+    except (ValueError, TypeError) as raised:
+        result, error = None, raised
+    passed = all_processes(error is None, device)
+    if error is not None:
+        raise error
+    if not passed:
+        raise ValueError(f"Another process's {what} were refused (its error says why); this process stops too.")
+    return result
 
 
 def all_processes(flag: bool, device: torch.device) -> bool:

@@ -73,9 +73,10 @@ def generate_responses(
     (`check_generation_request`); a `length_sampler`'s draw before the batch it is for."""
     context = context_length(models.wrapper.lm)
     max_new_tokens = None if length_sampler else generation_kwargs.get("max_new_tokens", sampling.response_length)
-    check_generation_request(queries, batch_size, max_new_tokens, vocab_size, context, sampling.pad_token_id)
-    collate = LeftPaddingCollator(sampling.pad_token_id)
     device = models.accelerator.device
+    request = (queries, batch_size, max_new_tokens, vocab_size, context, sampling.pad_token_id)
+    dist.checked_on_every_process(lambda: check_generation_request(*request), device, "`generate()` queries")
+    collate = LeftPaddingCollator(sampling.pad_token_id)
     if dist.deepspeed_zero_stage(models.accelerator) == 3:  # each sampling call is a collective there
         dist.assert_consistent_across_processes(
             -(-len(queries) // batch_size),
@@ -163,10 +164,12 @@ def check_response_masks(response_masks, responses: list[torch.Tensor]) -> list[
     return checked
 
 
-def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size: int, context: int | None, tokenizer):
+def check_episodes(
+    queries, responses, scores, response_masks, local_batch_size: int, vocab_size: int, context: int | None, tokenizer
+):
     """`step()`'s inputs checked -> (queries, responses: lists of 1-D long tensors with ids below `vocab_size`,
-    queries without padding, each episode within the model's `context`; scores: float32 `[B]`). `tokenizer`: the
-    policy's, whose pad token is needed."""
+    queries without padding, each episode within the model's `context`; scores: float32 `[B]`; response masks,
+    `check_response_masks`). `tokenizer`: the policy's, whose pad token is needed."""
     require_pad_token(tokenizer.pad_token_id, "`step()` (it pads queries and responses)")
     queries = check_token_lists(list(queries), "queries")
     responses = check_token_lists(list(responses), "responses")
@@ -187,7 +190,7 @@ def check_episodes(queries, responses, scores, local_batch_size: int, vocab_size
             f"`step()` got {len(queries)} episodes, but one update takes `local_batch_size` = "
             f"per_device_train_batch_size * gradient_accumulation_steps = {local_batch_size} per process."
         )
-    return queries, responses, scores
+    return queries, responses, scores, check_response_masks(response_masks, responses)
 
 
 def episode_rows(batch: dict, rewards, columns_to_log, tokenizer) -> list[dict]:

@@ -10,6 +10,7 @@ outside the trainer.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 
@@ -282,15 +283,14 @@ class PPOTrainer(OnPolicyTrainer):
         scores: Sequence[float] | torch.Tensor,
         response_masks: Sequence[torch.Tensor] | None = None,
     ) -> dict[str, float]:
-        """One full PPO update, as one update of `train()` after its scoring, on this process's `local_batch_size`
-        episodes: `queries` and `responses` as 1-D token ids (the responses exactly as produced, a stop token
-        included, no padding) and one score each (floats, 0-d tensors or a `[B]` tensor). `response_masks`: one
-        1-D 0/1 tensor per response leaving tokens (e.g. tool output) out of training. -> the update's metrics."""
-        lm = self._models().wrapper.lm
-        limits = (self.args.local_batch_size, self.vocabulary_size, context_length(lm), self.processing_class)
-        queries, responses, scores = episodes.check_episodes(queries, responses, scores, *limits)
-        response_masks = episodes.check_response_masks(response_masks, responses)
-        return self.update_on_episodes(queries, responses, scores, response_masks).metrics
+        """One PPO update, as one of `train()` after its scoring, on this process's `local_batch_size` episodes:
+        `queries`, `responses` 1-D token ids (responses as produced: stop token included, no padding), one score each
+        (floats, 0-d tensors or `[B]`), `response_masks` 1-D 0/1 leaving tokens out of training. -> the metrics."""
+        limits = (self.args.local_batch_size, self.vocabulary_size, context_length(self._models().wrapper.lm))
+        check = functools.partial(episodes.check_episodes, queries, responses, scores, response_masks, *limits,
+                                  self.processing_class)
+        checked = dist.checked_on_every_process(check, self.accelerator.device, "`step()` episodes")  # no hang
+        return self.update_on_episodes(*checked).metrics
 
     def update_on_episodes(
         self,

@@ -6,6 +6,7 @@ attributes and stats.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
@@ -157,7 +158,9 @@ class PPOTrainer:
         generation_kwargs.setdefault("max_new_tokens", self.trainer.args.response_length)
         limits = (self.trainer.vocabulary_size, context_length(self.model), self.tokenizer.pad_token_id)
         max_new_tokens = None if length_sampler else generation_kwargs["max_new_tokens"]  # else checked per draw
-        episodes.check_generation_request(queries, batch_size, max_new_tokens, *limits)
+        request = (queries, batch_size, max_new_tokens, *limits)
+        dist.checked_on_every_process(lambda: episodes.check_generation_request(*request), self.accelerator.device,
+                                      "`generate()` queries")
         options = (length_sampler, batch_size, return_prompt, remove_padding, generation_kwargs)
         responses = self._sample(queries, False, *options)
         ref_responses = self._sample(queries, True, *options) if generate_ref_response else None
@@ -182,18 +185,24 @@ class PPOTrainer:
         return results
 
     # -------------------------------------------------------------------------------------------- step
-    def step(self, queries: list, responses: list, scores: list, response_masks: list | None = None) -> dict:
-        """One PPO optimisation on `config.batch_size` episodes: `queries` and `responses` lists of 1-D token ids,
-        `scores` a list of 0-d (or one-element) tensors; `response_masks` leaves response tokens out of training.
-        -> trl 0.11's stats (`legacy.stats`)."""
-        started = time.time()
+    def _check_step(self, queries, responses, scores, response_masks) -> tuple:
         scores = check_step_inputs(self.config.batch_size, queries, responses, scores, response_masks)
         episodes.require_pad_token(self.tokenizer.pad_token_id, "`step()` (it pads queries and responses)")
         queries = episodes.check_token_lists(queries, "queries")
         responses = episodes.check_token_lists(responses, "responses")
         episodes.check_episode_token_ids(queries, responses, self.trainer.vocabulary_size)
         episodes.check_episode_lengths(queries, responses, context_length(self.model))
-        response_masks = episodes.check_response_masks(response_masks, responses)
+        return queries, responses, scores, episodes.check_response_masks(response_masks, responses)
+
+    def step(self, queries: list, responses: list, scores: list, response_masks: list | None = None) -> dict:
+        """One PPO optimisation on `config.batch_size` episodes: `queries` and `responses` lists of 1-D token ids,
+        `scores` a list of 0-d (or one-element) tensors; `response_masks` leaves response tokens out of training.
+        -> trl 0.11's stats (`legacy.stats`)."""
+        started = time.time()
+        check = functools.partial(self._check_step, queries, responses, scores, response_masks)
+        queries, responses, scores, response_masks = dist.checked_on_every_process(
+            check, self.accelerator.device, "`step()` episodes"  # one process's bad episodes stop them all, no hang
+        )
         self._begin_run()
         outcome = self.trainer.update_on_episodes(queries, responses, scores, response_masks, detailed=True)
         return step_stats(outcome, queries, responses, self.config.vf_coef, self.accelerator, started)
