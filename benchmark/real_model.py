@@ -2,8 +2,9 @@
 movie reviews, VADER's compound score (in [-1, 1]) is the reward. Same model, prompts, seeds and budget for every
 trainer, fp32 on the CPU, each run in a fresh process:
 
-    python benchmark/real_model.py --seeds 0 1 2 3 4 --out benchmark/real_model.jsonl     # hours on 2 cores
-    python benchmark/real_model.py --smoke                                                 # a few minutes
+    python benchmark/real_model.py --seeds 0 1 2 3 4 --threads 1 --out benchmark/real_model.jsonl  # about 2 h of one core
+    python benchmark/real_model.py --summarize benchmark/real_model.jsonl      # the table again, from the file
+    python benchmark/real_model.py --smoke                                     # a few minutes
 
 Trainers ("configs"): `trl` (TRL 1.12, a separate value model initialised from the policy's weights, as TRL's
 example does with its reward model), `trl_ppo` (the same separate value model) and `trl_ppo-value-head`
@@ -39,7 +40,7 @@ from sentiment_rewards import vader_compound, vader_scores  # noqa: E402
 
 PROMPTS = os.path.join(ROOT, "examples", "data", "movie_review_prompts.jsonl")
 CONFIGS = ("trl", "trl_ppo", "trl_ppo-value-head")
-FULL = dict(updates=30, held_out=100, response_length=32)
+FULL = dict(updates=12, held_out=100, response_length=24)
 SMOKE = dict(updates=2, held_out=8, response_length=8)
 
 
@@ -149,24 +150,32 @@ def run_one(spec: dict) -> dict:
         reward = vader_compound
     trainer = PPOTrainer(args=ppo_config(name, spec), processing_class=tokenizer, model=policy, ref_model=None,
                          reward_model=reward, value_model=value_model, train_dataset=train)
-    start = time.perf_counter()
+    start, cpu_start, load = time.perf_counter(), cpu_seconds(), os.getloadavg()[0]
     trainer.train()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
     after = greedy_vader(policy, tokenizer, held_out, spec["response_length"])
     curve = [e["objective/scores"] for e in trainer.state.log_history if "objective/scores" in e]
     return {"config": name, "seed": spec["seed"], "held_out_before": before, "held_out_after": after,
             "scores": [round(s, 4) for s in curve], "train_seconds": round(seconds, 1),
             "episodes_per_second": round(8 * spec["updates"] / seconds, 4),
+            "episodes_per_cpu_second": round(8 * spec["updates"] / cpu, 4),
+            "load_average_1min": [round(load, 2), round(os.getloadavg()[0], 2)],
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             **{k: spec[k] for k in ("updates", "held_out", "response_length", "threads")},
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process so far (user + system): on a shared machine, less noisy than wall time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def summary(rows: list[dict]) -> str:
     """Per config: mean held-out gain, episodes/s, peak RSS; against `trl`, the paired difference of the gains."""
     gain = {(r["config"], r["seed"]): r["held_out_after"] - r["held_out_before"] for r in rows}
     lines = ["| config | seeds | held-out VADER before -> after | gain - TRL's gain (± s.e.) | episodes/s | "
-             "peak RSS MiB |", "|---|---|---|---|---|---|"]
+             "episodes/CPU-s | peak RSS MiB |", "|---|---|---|---|---|---|---|"]
     for name in CONFIGS:
         mine = [r for r in rows if r["config"] == name]
         if not mine:
@@ -177,6 +186,7 @@ def summary(rows: list[dict]) -> str:
         lines.append(f"| {name} | {len(mine)} | {mean([r['held_out_before'] for r in mine]):+.3f} -> "
                      f"{mean([r['held_out_after'] for r in mine]):+.3f} | {versus} | "
                      f"{mean([r['episodes_per_second'] for r in mine]):.3f} | "
+                     f"{mean([r.get('episodes_per_cpu_second', float('nan')) for r in mine]):.3f} | "
                      f"{mean([r['peak_rss_mib'] for r in mine]):.0f} |")
     return "\n".join(lines)
 
@@ -201,10 +211,14 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a SmolLM2 folder (default: fetched into .cache/)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="append one JSON line per run to this file")
+    parser.add_argument("--summarize", default=None, help="print the table of the runs in this JSON-lines file")
     parser.add_argument("--output_root", default=os.path.join(ROOT, "runs", "real_model"))
     args = parser.parse_args()
     if args.worker is not None:
         print(json.dumps(run_one(json.loads(args.worker))), flush=True)
+        return
+    if args.summarize is not None:
+        print(summary([json.loads(line) for line in open(args.summarize) if line.strip()]))
         return
     model = args.model
     if model is None:

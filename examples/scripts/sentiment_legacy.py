@@ -74,7 +74,7 @@ def main() -> None:
                          "pad_token_id": tokenizer.eos_token_id, "max_new_tokens": args.response_length}
 
     before = held_out_reviews(ppo_trainer, held_out, generation_kwargs, args.seed)
-    start, step, rewards_per_step = time.time(), 0, []
+    start, cpu_start, step, rewards_per_step = time.time(), time.process_time(), 0, []
     while step < args.steps:
         for batch in ppo_trainer.dataloader:
             query_tensors = batch["input_ids"]
@@ -89,7 +89,7 @@ def main() -> None:
             print(f"step {step}: mean VADER {rewards_per_step[-1]:+.3f}, KL {stats['objective/kl']:.2f}", flush=True)
             if step == args.steps:
                 break
-    seconds = time.time() - start
+    seconds, cpu_seconds = time.time() - start, time.process_time() - cpu_start  # CPU time: all threads
     after = held_out_reviews(ppo_trainer, held_out, generation_kwargs, args.seed)
 
     vader_before, vader_after = vader_scores(before), vader_scores(after)
@@ -102,7 +102,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "a") as handle:
             row = {"api": "legacy", "seed": args.seed, "steps": args.steps, "vader_before": mean_before,
-                   "vader_after": mean_after, "train_seconds": seconds}
+                   "vader_after": mean_after, "train_seconds": round(seconds, 1),
+                   "train_cpu_seconds": round(cpu_seconds, 1), "threads": torch.get_num_threads(),
+                   "load_average_1min": round(os.getloadavg()[0], 2), "train_rewards": rewards_per_step}
             handle.write(json.dumps(row) + "\n")
 
 
