@@ -18,6 +18,7 @@ from . import checkpoint as ckpt
 from . import data, reporting, saving
 from . import distributed as dist
 from .checkpoint.trainer_files import exportable_callbacks, restore_trainer_checkpoint, write_trainer_checkpoint
+from .checkpoint.weights import named_weights
 from .config_checks import compute_batch_sizes
 from .metrics import episodes_per_second
 from .models import PreparedModels
@@ -77,6 +78,7 @@ class OnPolicyTrainer(Trainer):
         self._new_run_state()
         self._run_identity = ckpt.run_identity(args, fingerprints, reward_names)
         self._training_active = False
+        self._train_ended = False  # `train()` returned: a `step()` after it goes on with its run
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         """`Trainer`'s `Accelerator` arguments, plus the process group that `--ddp_backend` / `--ddp_timeout` ask
@@ -126,6 +128,7 @@ class OnPolicyTrainer(Trainer):
         """A fresh run state and trainer state, or those of `start.checkpoint`; then the callbacks'
         `on_train_begin`."""
         args, checkpoint = self.args, start.checkpoint
+        self._train_ended = False
         earlier_logs = self.state.log_history  # e.g. an `evaluate()` before training: kept in a fresh run
         self._new_run_state(start.run_id)
         self.state = self._new_trainer_state(earlier_logs if checkpoint is None else None)
@@ -134,9 +137,24 @@ class OnPolicyTrainer(Trainer):
         epochs = args.total_episodes / len(self.train_dataset) if self.train_dataset is not None else 1.0
         self.state.init_training_references(self, args.num_total_batches, epochs, None)
         self.state.compute_steps(args, args.num_total_batches)
+        self._set_going()
+
+    def _begin_step_run(self) -> None:
+        """Before a `step()` or `save_checkpoint()` outside a run: begin a fresh run, or, where this trainer's
+        `train()` has ended, let that run go on, with its run id, counters and checkpoints (a fresh run would be
+        refused over them, or with `overwrite_output_dir` delete them)."""
+        if self._training_active:
+            return
+        if self._train_ended:
+            self._set_going()
+        else:
+            self._start_run(None)
+
+    def _set_going(self) -> None:
+        """The clock of `eps`, training mode and the callbacks' `on_train_begin`, as updates begin."""
         self._start_time, self._start_episode = time.time(), self.state.episode
         self.model.train()
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
         self._training_active = True
 
     def _end_update(self, metrics: dict) -> dict:
@@ -162,7 +180,7 @@ class OnPolicyTrainer(Trainer):
         return metrics
 
     def _end_training(self) -> TrainOutput:
-        self._training_active = False
+        self._training_active, self._train_ended = False, True
         if self.run.metrics_since_log:
             self.log(self.run.metrics_since_log.pop())
         if self.args.should_save:  # reporting: a failure (a full disk) must not cost the trained model
@@ -185,9 +203,9 @@ class OnPolicyTrainer(Trainer):
     def save_checkpoint(self) -> str:
         """Write `checkpoint-<update>` of a run driven by `step()` now (weights, optimizer, scheduler, run state
         with the KL coefficient and score moments, RNG) -> its path. `train()` saves by `save_strategy` itself.
-        Refused where `output_dir` holds another run's checkpoints (`checkpoint.ownership`)."""
-        if not self._training_active:
-            self._start_run(None)
+        Refused where `output_dir` holds another run's checkpoints (`checkpoint.ownership`). After `train()`, a
+        checkpoint of that run as of now."""
+        self._begin_step_run()
         return self._write_checkpoint()
 
     def load_checkpoint(self, checkpoint: str | bool = True) -> int:
@@ -221,6 +239,14 @@ class OnPolicyTrainer(Trainer):
         raise SystemExit(0)
 
     # ---------------------------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`, after every process has checked the weights finite (`saving.check_finite_weights`;
+        a checkpoint, `_internal_call`, has checked them itself, with its own message)."""
+        if not _internal_call:
+            weights = named_weights(self.accelerator.unwrap_model(self.model))
+            saving.check_finite_weights(self.accelerator, weights, output_dir or self.args.output_dir)
+        super().save_model(output_dir, _internal_call=_internal_call)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Overrides `Trainer._save` (private: `Trainer.save_model` calls it, no public hook exists; checked
         against transformers 5.23), which would save the policy-and-value wrapper as one model."""

@@ -9,7 +9,7 @@ import os
 import torch
 from transformers.utils import logging
 
-from .checkpoint.weights import named_weights, nonfinite_tensor
+from .checkpoint import nonfinite_weight_of_any_process
 from .models import PreparedModels
 from .reporting import PLOT_FILE, model_card, plot_curves
 from .value_head import sub_state_dict
@@ -40,8 +40,7 @@ CARD_HYPERPARAMETERS = (
 def save_policy(models: PreparedModels, tokenizer, args, output_dir: str, state_dict: dict | None = None) -> None:
     """The policy (or its PEFT adapter; a value head beside it), its tokenizer and the config, in the Hugging Face
     format. `state_dict`, when given (e.g. consolidated by DeepSpeed), is the wrapper's (`policy.` / `value_model.`
-    keys)."""
-    check_finite_weights(state_dict.items() if state_dict is not None else named_weights(models.wrapper), output_dir)
+    keys). The weights were checked finite on every process first (`check_finite_weights`)."""
     if state_dict is not None:
         state_dict = sub_state_dict(state_dict, "policy.")
     os.makedirs(output_dir, exist_ok=True)
@@ -69,9 +68,11 @@ def check_writable(output_dir: str) -> None:
     )
 
 
-def check_finite_weights(weights, output_dir: str) -> None:
-    """Refuse to save a model whose named `weights` hold NaN or infinity, naming the first, before any write."""
-    name = nonfinite_tensor(weights)
+def check_finite_weights(accelerator, weights, output_dir: str) -> None:
+    """Refuse to save a model whose named `weights` hold NaN or infinity, naming the first, before any write: on
+    every process (a collective), also those that write nothing, which would otherwise go on into the next
+    collective of the save (the value model's consolidation) and wait there forever."""
+    name = nonfinite_weight_of_any_process(accelerator, weights)
     if name is not None:
         raise FloatingPointError(
             f"Not saving the model to {output_dir}: the weight `{name}` holds NaN or infinity (training diverged). "

@@ -304,8 +304,7 @@ class PPOTrainer(OnPolicyTrainer):
         epochs → adapt the KL coefficient → step the schedule → count / log / save. -> everything it made, and
         the seconds each phase took (`trl_ppo.legacy` reports both)."""
         clock = episodes.PhaseClock()
-        if not self._training_active:  # the first step (or the first after `train()` ended)
-            self._start_run(None)
+        self._begin_step_run()  # the first step begins the run; after `train()` ended, that run goes on
         pad_token_id, device = self.processing_class.pad_token_id, self.accelerator.device
         rollout = self.add_logprobs_and_values(
             episodes.rollout_of(queries, responses, pad_token_id, device, response_masks)

@@ -12,12 +12,14 @@ A checkpoint folder `checkpoint-<update>` holds:
 It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`), unless
 `output_dir` holds a checkpoint of another run (`ownership.py`). A save that fails removes its partial folder and
 raises `CheckpointSaveError`; the earlier checkpoints are untouched. Weights holding NaN or infinity are never
-written: the save raises `FloatingPointError` naming the tensor first.
+written: the save raises `FloatingPointError` naming the tensor first. A run starting in `output_dir`
+(`start_checkpoint`) changes nothing there until it is allowed to use it.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from .folders import (
     read_json,
     remove_unfinished_saves,
     rotate_checkpoints,
+    set_aside_newer_checkpoints,
     staging_folder,
     write_json,
 )
@@ -110,12 +113,19 @@ def save_checkpoint(
     return final or os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
 
 
+def nonfinite_weight_of_any_process(accelerator, weights: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The first of `weights` that holds NaN or infinity on any process (each checks its own: under ZeRO-3 its
+    partition), the same on every process, so that all of them refuse a save together; or None. A collective."""
+    found = [name for name in _gather(accelerator, nonfinite_tensor(weights)) if name is not None]
+    return found[0] if found else None
+
+
 def check_finite_weights(accelerator, weights: Iterable[tuple[str, torch.Tensor]], output_dir: str, step: int) -> None:
     """Refuse, on every process, to write `checkpoint-<step>` of `weights` when a process finds one non-finite."""
-    found = [name for name in _gather(accelerator, nonfinite_tensor(weights)) if name is not None]
-    if found:
+    found = nonfinite_weight_of_any_process(accelerator, weights)
+    if found is not None:
         raise FloatingPointError(
-            f"Not writing checkpoint-{step}: the weight `{found[0]}` holds NaN or infinity (training diverged). "
+            f"Not writing checkpoint-{step}: the weight `{found}` holds NaN or infinity (training diverged). "
             f"Nothing was written; the checkpoints in {output_dir} are kept (newest: "
             f"{latest_checkpoint(output_dir) or 'none'}). Resume from one with a lower `learning_rate`, or check "
             "the reward scale and the loss coefficients."
@@ -124,22 +134,26 @@ def check_finite_weights(accelerator, weights: Iterable[tuple[str, torch.Tensor]
 
 def _on_all_or_fail(accelerator, write: Callable, staging: str, output_dir: str, step: int, main_only=False):
     """Run `write` (on the main process only with `main_only`), then share every process's failure (a collective
-    in place of a barrier, so no process waits forever on one that failed) -> `write`'s result."""
+    in place of a barrier, so no process waits forever on one that failed) -> `write`'s result. Each failure
+    travels with its error's type, so every process raises the same kind of error, with the same advice."""
     result, failure, cause = None, None, None
     if accelerator.is_main_process or not main_only:
         try:
             result = write()
         except Exception as error:  # disk full, quota, permissions, a serializer's own error
-            failure, cause = f"process {accelerator.process_index}: {type(error).__name__}: {error}", error
+            failure, cause = (accelerator.process_index, type(error).__name__, str(error)), error
     failures = [f for f in _gather(accelerator, failure) if f is not None]
     if failures:
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)  # frees the space a full disk needs
-        if isinstance(cause, CheckpointOfAnotherRunError):  # not a write error: the advice below would not help
-            raise CheckpointOfAnotherRunError(f"{cause} (This run's checkpoint-{step} was not written.)") from None
+        refusals = [text for _, kind, text in failures if kind == CheckpointOfAnotherRunError.__name__]
+        if refusals:  # not a write error: the advice below would not help
+            message = f"{refusals[0]} (This run's checkpoint-{step} was not written.)"
+            raise CheckpointOfAnotherRunError(message) from None
         kept = latest_checkpoint(output_dir)
+        described = "; ".join(f"process {index}: {kind}: {text}" for index, kind, text in failures)
         raise CheckpointSaveError(
-            f"Saving checkpoint-{step} failed ({'; '.join(failures)}). Its partial folder was removed; the earlier "
+            f"Saving checkpoint-{step} failed ({described}). Its partial folder was removed; the earlier "
             f"checkpoints are kept (newest: {kept or 'none'}). Free space (or fix the cause), then resume with "
             "`resume_from_checkpoint=True`."
         ) from cause
@@ -164,32 +178,62 @@ class RunStart(NamedTuple):
 def start_checkpoint(
     output_dir: str, resume_from_checkpoint: str | bool | None, accelerator, identity: dict, overwrite: bool = False
 ) -> RunStart:
-    """At the start of a run: remove what interrupted saves left behind, choose the checkpoint to resume from
-    (`checkpoint_to_resume`; `overwrite` deletes an earlier run's checkpoints for a fresh run) and the run id,
-    refusing an `output_dir` that holds another run's checkpoints (`ownership.run_to_continue`). On the main
-    process only (verifying reads every file once); every process gets the same start, or the same refusal."""
-    outcome = [None, None, None]  # (checkpoint, run id, refusal)
+    """At the start of a run: choose the checkpoint to resume from and the run id, refusing an `output_dir` that
+    holds another run's checkpoints; only then prepare the folder (`claim_output_dir`). On the main process only
+    (verifying reads every file once); every process gets the same start, or the same refusal: whatever the main
+    process raises is shared with the others before it is raised (they would otherwise wait here forever)."""
+    outcome = [None, None, None]  # (checkpoint, run id, error)
     if accelerator.is_main_process:
         try:
-            remove_unfinished_saves(output_dir)
-            checkpoint = checkpoint_to_resume(output_dir, resume_from_checkpoint, overwrite)
-            outcome = [checkpoint, run_to_continue(output_dir, checkpoint, identity), None]
-        except (ValueError, OSError) as error:  # OSError: deleting with `overwrite`
+            outcome = [*claim_output_dir(output_dir, resume_from_checkpoint, identity, overwrite), None]
+        except Exception as error:  # any: a malformed file's TypeError as much as a refusal's ValueError
             outcome = [None, None, error]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        broadcast_object_list(outcome)
+        shared = [outcome[0], outcome[1], _portable(outcome[2])]
+        broadcast_object_list(shared)
+        if not accelerator.is_main_process:
+            outcome = shared
     if outcome[2] is not None:
         raise outcome[2]
     return RunStart(outcome[0], outcome[1])
 
 
+def claim_output_dir(
+    output_dir: str, resume_from_checkpoint: str | bool | None, identity: dict, overwrite: bool = False
+) -> tuple[str | None, str]:
+    """(the checkpoint to resume from, or None: `checkpoint_to_resume`, where `overwrite` deletes an earlier run's
+    checkpoints for a fresh run; the run id: `ownership.run_to_continue`, which refuses another run's folder).
+    Only once the run may use `output_dir` is anything there changed: what interrupted saves left is removed (a
+    refused run must not delete the save another run has in progress), and a resume from an older checkpoint sets
+    the newer ones aside (`folders.set_aside_newer_checkpoints`)."""
+    checkpoint = checkpoint_to_resume(output_dir, resume_from_checkpoint, overwrite)
+    run_id = run_to_continue(output_dir, checkpoint, identity)
+    remove_unfinished_saves(output_dir)
+    if checkpoint is not None:
+        set_aside_newer_checkpoints(output_dir, checkpoint)
+    return checkpoint, run_id
+
+
+def _portable(error: Exception | None) -> Exception | None:
+    """`error` as it can travel to the other processes (pickled), or a `RuntimeError` that describes it."""
+    if error is None:
+        return None
+    try:
+        return pickle.loads(pickle.dumps(error))
+    except Exception:  # an exception type that does not pickle (e.g. a required keyword argument)
+        return RuntimeError(f"The main process could not start the run: {type(error).__name__}: {error}")
+
+
 def read_run_state(path: str, identity: dict, deepspeed: bool) -> dict:
     """The saved `RunState` of checkpoint `path` (as `state_dict()`), after checking that this run (`identity`,
     launched with or without DeepSpeed) can resume it."""
-    saved = read_json(os.path.join(path, PPO_STATE_NAME))
+    state_file = os.path.join(path, PPO_STATE_NAME)
+    saved = read_json(state_file)
     saved.pop("manifest", None)
+    if not isinstance(saved.get("identity"), dict):
+        raise ValueError(f"{state_file} holds no run identity (an `identity` object): it is damaged.")
     check_resumable(saved.pop("identity"), identity, path)
     written_with_deepspeed = has_deepspeed_state(path)
     if not (written_with_deepspeed or os.path.isfile(os.path.join(path, "optimizer.pt"))):
@@ -221,6 +265,7 @@ __all__ = [
     "model_fingerprint",
     "named_weights",
     "nonfinite_tensor",
+    "nonfinite_weight_of_any_process",
     "prompts_fingerprint",
     "read_run_state",
     "remove_unfinished_saves",

@@ -1,6 +1,7 @@
 """Checkpoint folders on disk: their names, atomic publication (written under `tmp-checkpoint-<update>`, renamed
-to `checkpoint-<update>` only when complete), rotation, the removal of what an interrupted save left behind, and
-which checkpoint a run resumes from: the newest one whose files match its manifest (`manifest.py`)."""
+to `checkpoint-<update>` only when complete), rotation, the removal of what an interrupted save left behind, which
+checkpoint a run resumes from (the newest one whose files match its manifest, `manifest.py`), and the newer
+checkpoints a resume from an older one sets aside (`checkpoint-<update>.abandoned-<time>`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 from transformers.utils import logging
 
@@ -18,6 +20,7 @@ logger = logging.get_logger(__name__)
 PPO_STATE_NAME = "trl_ppo_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
 STAGING_PREFIX = "tmp-checkpoint-"
+ABANDONED_MARK = ".abandoned-"
 
 
 def write_json(path: str, data: dict) -> None:
@@ -36,12 +39,16 @@ def checkpoint_step(path: str) -> int | None:
 
 
 def read_json(path: str) -> dict:
-    """A checkpoint's JSON file; a missing or damaged one raises `ValueError` naming it."""
+    """A checkpoint's JSON file (each holds an object); a missing, damaged or other one raises `ValueError`
+    naming it."""
     try:
         with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+            data = json.load(handle)
     except (OSError, ValueError) as error:
         raise ValueError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object (it holds {type(data).__name__}): it is damaged.")
+    return data
 
 
 def checkpoint_folders(output_dir: str) -> list[str]:
@@ -127,6 +134,41 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str)
     checkpoints = [path for path in complete_checkpoints(output_dir) if os.path.abspath(path) != os.path.abspath(keep)]
     for path in checkpoints[: max(0, len(checkpoints) - (save_total_limit - 1))]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def set_aside_newer_checkpoints(output_dir: str, resumed: str) -> list[str]:
+    """Rename each checkpoint folder in `output_dir` of a later update than `resumed` (the branch a resume from
+    an older checkpoint abandons) to `checkpoint-<update>.abandoned-<UTC time>`, with a warning naming them, so
+    that `latest`, rotation and the resumed run's own saves of those updates never take or replace them; nothing
+    is deleted -> their new paths."""
+    step = resumed_update(resumed)
+    newer = [path for path in checkpoint_folders(output_dir) if step is not None and checkpoint_step(path) > step]
+    stamp, moved = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()), []
+    for path in newer:
+        target, count = f"{path}{ABANDONED_MARK}{stamp}", 1
+        while os.path.exists(target):
+            count += 1
+            target = f"{path}{ABANDONED_MARK}{stamp}-{count}"
+        os.replace(path, target)
+        moved.append(target)
+    if moved:
+        logger.warning(
+            f"Resuming from {resumed}, an older checkpoint than {len(moved)} in `output_dir`: set aside the newer "
+            f"ones (the branch this resume abandons), renamed, nothing deleted: {moved}. `latest` and "
+            "`save_total_limit` no longer see them; delete them yourself once they are not needed."
+        )
+    return moved
+
+
+def resumed_update(path: str) -> int | None:
+    """The update of checkpoint `path`: from its name, or (a folder renamed by its user) its trainer state."""
+    step = checkpoint_step(path)
+    if step is None:
+        try:
+            step = int(read_json(os.path.join(path, "trainer_state.json"))["global_step"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    return step
 
 
 def checkpoint_to_resume(

@@ -59,9 +59,12 @@ def checkpoints_of_other_runs(output_dir: str, run_id: str, identity: dict) -> l
 
 def run_to_continue(output_dir: str, checkpoint: str | None, identity: dict) -> str:
     """The run id of a run starting in `output_dir`, resumed from `checkpoint` (its id) or fresh (a new one);
-    refuses, before any compute, an `output_dir` holding checkpoints of another run."""
-    recorded = recorded_run(checkpoint) if checkpoint is not None else None
-    run_id = recorded[0] if recorded is not None and recorded[0] is not None else new_run_id()
+    refuses, before any compute, an `output_dir` holding checkpoints of another run, and a `checkpoint` whose run
+    state does not read (`ValueError` naming the file)."""
+    run_id = None
+    if checkpoint is not None:
+        run_id = read_json(os.path.join(checkpoint, PPO_STATE_NAME)).get("run_id")  # None: before run ids
+    run_id = run_id or new_run_id()
     others = checkpoints_of_other_runs(output_dir, run_id, identity)
     if others:
         raise CheckpointOfAnotherRunError(

@@ -232,13 +232,13 @@ class PPOTrainer:
         """The policy with its value head (trl 0.11's format, see `AutoModelForCausalLMWithValueHead`) and the
         tokenizer. Under DeepSpeed the weights are gathered first (every process must call this)."""
         check_save_directory(save_directory)
+        check_finite_weights(self.accelerator, named_weights(self.accelerator.unwrap_model(self.model)), save_directory)
         state_dict = None
         if dist.deepspeed_zero_stage(self.accelerator) is not None:
             state_dict = self.accelerator.get_state_dict(self.trainer.model)
             state_dict = {k[len("policy.") :]: v for k, v in (state_dict or {}).items() if k.startswith("policy.")}
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(self.model)
-            check_finite_weights(state_dict.items() if state_dict is not None else named_weights(model), save_directory)
             model.save_pretrained(save_directory, state_dict=state_dict)
             self.tokenizer.save_pretrained(save_directory)
 
@@ -253,7 +253,7 @@ class PPOTrainer:
         may have set through `kl_ctl.value` (beginning a run starts from `init_kl_coef` otherwise)."""
         if not self.trainer._training_active:
             kl_coef = self.kl_ctl.value
-            self.trainer._start_run(None)
+            self.trainer._begin_step_run()
             self.kl_ctl.value = kl_coef
 
     def load_checkpoint(self, checkpoint: str | bool = True) -> int:
