@@ -235,6 +235,15 @@ def checked_on_every_process(check: Callable[[], T], device: torch.device, what:
     return result
 
 
+def max_over_processes(value: int, device: torch.device) -> int:
+    """The largest `value` of all processes (`value` itself without a process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    largest = torch.tensor([value], device=device)
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+    return int(largest.item())
+
+
 def all_processes(flag: bool, device: torch.device) -> bool:
     """True when `flag` holds on every process (a one-element all-reduce; `flag` itself without a process group)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):

@@ -166,11 +166,16 @@ def sample_responses(
         was_training = wrapper.training
         wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
         try:
+            parts = list(chunks(queries.size(0), sampling.chunk_size))
+            own = len(parts)
+            if settings["synced_processes"]:  # every forward is a collective: as many calls as the busiest process
+                calls = dist.max_over_processes(len(parts), accelerator.device)
+                parts += [slice(0, 1)] * (calls - len(parts))  # extra calls on one row, their tokens dropped
             with accelerator.autocast():
                 responses = [
                     sample(wrapper.lm, queries[part], query_mask[part], pad_token_id=sampling.pad_token_id, **settings)
-                    for part in chunks(queries.size(0), sampling.chunk_size)
-                ]
+                    for part in parts
+                ][:own]
         finally:
             wrapper.train(was_training)
     return torch.cat(responses)
