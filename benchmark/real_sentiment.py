@@ -21,6 +21,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from default_job import children_cpu_seconds  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "smollm2_sentiment.yaml")
 
@@ -40,11 +43,11 @@ def run_seed(seed: int, model: str, output_root: str, flags: list[str], threads:
         key, _, value = flag.partition("=")
         command += [f"--{key}", value]
     os.makedirs(output_dir, exist_ok=True)
-    load_before, start = os.getloadavg()[0], time.time()
+    load_before, start, cpu_start = os.getloadavg()[0], time.time(), children_cpu_seconds()
     with open(os.path.join(output_dir, "run.log"), "w") as log:
         env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
         subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True, env=env)
-    seconds = time.time() - start
+    seconds, cpu = time.time() - start, children_cpu_seconds() - cpu_start
     evals, train = evaluations(output_dir)
     return {
         "seed": seed,
@@ -57,6 +60,7 @@ def run_seed(seed: int, model: str, output_root: str, flags: list[str], threads:
         "kl_last_log": train[-1]["objective/kl"],
         "updates": train[-1].get("step", len(train)),
         "wall_seconds": round(seconds, 1),
+        "cpu_seconds": round(cpu, 1),  # user + system of the run, all threads: steadier than wall time under load
         "load_average_1min_at_start": round(load_before, 2),
         "load_average_1min_at_end": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
