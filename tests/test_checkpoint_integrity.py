@@ -49,6 +49,21 @@ def test_the_manifest_names_a_missing_truncated_or_changed_file(tmp_path):
     assert checkpoint_problem(str(tmp_path)).endswith(f"{MANIFEST_NAME} is missing")
 
 
+def test_a_checkpoint_is_hashed_once_while_its_files_stay_as_they_were(tmp_path, monkeypatch):
+    """The CLI's early check and `train()`'s both verify the checkpoint: one hashing of its files, not two."""
+    from trl_ppo.checkpoint import folders
+
+    (tmp_path / "model.safetensors").write_bytes(b"0123456789")
+    write_json(str(tmp_path / MANIFEST_NAME), manifest_of(str(tmp_path)))
+    hashed = []
+    monkeypatch.setattr(folders, "checkpoint_problem", lambda path: hashed.append(path) or checkpoint_problem(path))
+    assert folders.verified_problem(str(tmp_path)) is None and folders.verified_problem(str(tmp_path)) is None
+    assert len(hashed) == 1
+    (tmp_path / "model.safetensors").write_bytes(b"01234")  # damaged in between: verified again, and refused
+    assert "model.safetensors has 5 bytes where 10 were written" in folders.verified_problem(str(tmp_path))
+    assert len(hashed) == 2
+
+
 # ------------------------------------------------------------------- a damaged newest checkpoint is skipped
 _RUNS = {}
 

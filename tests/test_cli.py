@@ -194,6 +194,20 @@ def test_resume_latest_with_no_checkpoint_says_what_was_typed_before_any_compute
     assert message == f"trl-ppo: `resume_from_checkpoint` ({tmp_path / 'nope'}) is not a folder.", message
 
 
+def test_only_the_first_process_of_a_machine_reads_the_checkpoint_early(tmp_path, monkeypatch):
+    """Under `accelerate launch` the early check runs on LOCAL_RANK 0 only (the launcher stops the others if it
+    exits); `train()` verifies the checkpoint again on the main process."""
+    from trl_ppo import PPOConfig
+    from trl_ppo.cli import check_resume_flag
+
+    args = PPOConfig(output_dir=str(tmp_path), resume_from_checkpoint="latest", report_to="none")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    check_resume_flag(args)  # no checkpoint there, but not this process's to say
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        check_resume_flag(args)
+
+
 def test_bf16_without_a_bf16_gpu_names_the_flag_and_the_fix():
     from transformers.utils import is_torch_bf16_gpu_available
 

@@ -85,11 +85,29 @@ def written_before_manifests(path: str) -> bool:
 
 def verified_problem(path: str) -> str | None:
     """What makes checkpoint `path` unusable (`manifest.checkpoint_problem`), or None if it verifies. One
-    written before manifests cannot be verified: it is used, with a warning."""
+    written before manifests cannot be verified: it is used, with a warning. The verdict is kept for this process
+    while no file of the folder changes name, size or modification time: the CLI's early check and `train()`'s
+    then hash a large checkpoint once, not twice."""
     if written_before_manifests(path):
         logger.warning(f"{path} was written by a trl_ppo without checkpoint manifests: its files are not verified.")
         return None
-    return checkpoint_problem(path)
+    key, fingerprint = os.path.realpath(path), folder_fingerprint(path)
+    if _VERDICTS.get(key, (None,))[0] != fingerprint:
+        _VERDICTS[key] = (fingerprint, checkpoint_problem(path))
+    return _VERDICTS[key][1]
+
+
+_VERDICTS: dict[str, tuple[tuple, str | None]] = {}  # real path -> (fingerprint, problem)
+
+
+def folder_fingerprint(path: str) -> tuple:
+    """(relative path, size, mtime in ns) of every file under `path`, sorted."""
+    entries = []
+    for root, _, files in os.walk(path):
+        for name in files:
+            stat = os.stat(os.path.join(root, name))
+            entries.append((os.path.relpath(os.path.join(root, name), path), stat.st_size, stat.st_mtime_ns))
+    return tuple(sorted(entries))
 
 
 def remove_unfinished_saves(output_dir: str) -> list[str]:
