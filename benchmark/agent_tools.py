@@ -1,21 +1,22 @@
 """Agents: a calculator tool. A learning benchmark where the tool matters: PPO with a tool against PPO without it,
 and TRL 1.12's GRPO trainer with the same tool as the field's reference point; offline, on the CPU.
 
-    python benchmark/agent_tools.py                 # every config, seeds 0 1 2 (~25 min of one core, SFT included)
-    python benchmark/agent_tools.py --smoke         # CI form: tiny SFT, 1 update, 1 seed (seconds)
+    python benchmark/agent_tools.py                 # 3 configs x seeds 0 1 2: ~7.5 min, + ~3 min of SFT once
+    python benchmark/agent_tools.py --smoke         # CI form: tiny SFT, 1 update, 1 seed (about a minute)
     python benchmark/agent_tools.py --report        # the table of the rows already in --results
 
 The task (`agent_task.py`): "What is A * B?" for two-digit A and B; reward 1.0 when the last integer of the
 model's final turn is exactly A * B, else 0.0. The tool: `multiply(a, b)`. The tokenizer is
 `trl_ppo.agents.tiny_chat.build_tool_tokenizer()` (byte-level, Qwen/Hermes-style `<tool_call>{json}</tool_call>`)
-with a short tools' system block ("Tools: multiply(a, b)", `agent_task.TOOLS_BLOCK`). A tiny Qwen2 (64 wide,
+with a short tools' system block ("Tools: multiply(a, b)", `agent_task.TOOLS_BLOCK`). A tiny Qwen2 (128 wide,
 2 layers) is trained from scratch by SFT (cached in `--output_dir` under a name made of its settings, so every
 config and seed starts from the same weights) on conversations rendered with `tools=[multiply]`: 30% call the
 tool and copy its answer, 70% answer at once with a guess of the right size. A model this small cannot multiply
 in its head: without the tool it can only be lucky.
 
 Configs, each run (one config, one seed) in a fresh process, same SFT start, episodes and seeds:
-* `ppo+tools`: trl_ppo's `PPOTrainer(..., tools=[multiply])`, `max_turns=3`, chat-message prompts;
+* `ppo+tools`: trl_ppo's `PPOTrainer(..., tools=[multiply])`, `max_turns=3`, chat-message prompts, `lam=1.0`
+  (`-lam0.95`: trl_ppo's default λ, with which one seed of three stopped calling the tool);
 * `ppo-no-tools`: trl_ppo without tools (`max_turns=1`), the same prompt ids (the tools' system block shown, so
   the start is the same policy) but a tool call is never answered;
 * `grpo+tools`: TRL 1.12's `GRPOTrainer(..., tools=[multiply])`, `max_tool_calling_iterations=2` (3 turns of
@@ -31,7 +32,6 @@ success rate, tool-call rate, success among episodes that called the tool; train
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -42,9 +42,17 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import agent_task as task  # noqa: E402
-from learning import log, run_worker  # noqa: E402
+from learning import CPU_RUN, log, run_arguments, run_worker  # noqa: E402
 
-CONFIGS = ("ppo+tools", "ppo-no-tools", "grpo+tools")
+# name -> changes to `RL`. The first three run by default; the `-lam0.95` ones are PPO with GAE's default λ.
+CONFIGS: dict[str, dict] = {
+    "ppo+tools": {},
+    "ppo-no-tools": {},
+    "grpo+tools": {},
+    "ppo+tools-lam0.95": {"lam": 0.95},
+    "ppo-no-tools-lam0.95": {"lam": 0.95},
+}
+DEFAULT_CONFIGS = list(CONFIGS)[:3]
 RL = dict(  # shared by every run: `updates` x `batch` episodes
     updates=16,
     per_device_train_batch_size=8,
@@ -56,6 +64,7 @@ RL = dict(  # shared by every run: `updates` x `batch` episodes
     max_turns=3,
     max_tool_response_length=16,
     num_generations=4,  # GRPO only: completions per prompt
+    lam=1.0,  # PPO only: GAE's λ (see `ppo_trainer`)
 )
 SFT = task.SFTSettings()
 SMOKE_RL = dict(RL, updates=1, per_device_train_batch_size=4, gradient_accumulation_steps=1, num_ppo_epochs=1)
@@ -64,6 +73,10 @@ NUM_PROMPTS = 2000  # RL prompts, drawn from the SFT pool, never from the held-o
 
 
 # ----------------------------------------------------------------------------------------------- one run
+def uses_tools(config: str) -> bool:
+    return not config.startswith("ppo-no-tools")
+
+
 def common_args(spec: dict) -> dict:
     rl = spec["rl"]
     return dict(
@@ -73,13 +86,7 @@ def common_args(spec: dict) -> dict:
         learning_rate=rl["learning_rate"],
         temperature=rl["temperature"],
         seed=spec["seed"],
-        save_strategy="no",
-        report_to="none",
-        logging_steps=1,
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        disable_tqdm=True,
+        **CPU_RUN,
     )
 
 
@@ -91,7 +98,7 @@ def ppo_trainer(spec: dict, tokenizer, policy, dataset_rows: list[tuple[int, int
 
     from trl_ppo import PPOConfig, PPOTrainer
 
-    rl, tools = spec["rl"], spec["config"] == "ppo+tools"
+    rl, tools = spec["rl"], uses_tools(spec["config"])
     batch = rl["per_device_train_batch_size"] * rl["gradient_accumulation_steps"]
     config = PPOConfig(
         **common_args(spec),
@@ -102,6 +109,10 @@ def ppo_trainer(spec: dict, tokenizer, policy, dataset_rows: list[tuple[int, int
         max_tool_response_length=rl["max_tool_response_length"],
         stop_token="eos",
         missing_eos_penalty=1.0,
+        # λ = 1: the final score reaches the first token (the decision to call the tool) undecayed, while the critic
+        # is still untrained. With the default 0.95 it reaches it x 0.95^85 (a call and a reply are ~85 model
+        # tokens) and whitening makes that advantage negative: one seed of three stopped calling (RESULTS.md).
+        lam=rl["lam"],
         local_rollout_forward_batch_size=batch,
         num_sample_generations=0,
     )
@@ -173,7 +184,7 @@ def run_one(spec: dict) -> dict:
     tokenizer = task.build_tokenizer()
     held_out, pool = task.split_problems()
     held_out = held_out[: spec["held_out"]]
-    tools = name != "ppo-no-tools"
+    tools = uses_tools(name)
     evaluation = dict(tools=tools, max_turns=rl["max_turns"], budget=rl["response_length"])
     policy = AutoModelForCausalLM.from_pretrained(spec["sft_path"])
     before = evaluate(policy, tokenizer, held_out, evaluation, rl["temperature"])
@@ -245,23 +256,17 @@ def table(rows: list[dict]) -> str:
 def report(path: str, smoke: bool) -> None:
     with open(path) as lines:
         rows = [row for row in map(json.loads, lines) if row["smoke"] == smoke]
-    rows.sort(key=lambda row: CONFIGS.index(row["config"]) if row["config"] in CONFIGS else len(CONFIGS))
+    order = list(CONFIGS)
+    rows.sort(key=lambda row: order.index(row["config"]) if row["config"] in order else len(order))
     print(table(rows))
 
 
 # --------------------------------------------------------------------------------------------- orchestration
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--updates", type=int, default=None, help=f"Updates per run (default {RL['updates']}).")
+    parser = run_arguments(__doc__, "agent_tools.jsonl", "/tmp/trl_ppo_agent_tools", RL["updates"])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
     parser.add_argument("--held_out", type=int, default=100, help="Held-out problems evaluated before and after.")
     parser.add_argument("--smoke", action="store_true", help="CI form: tiny SFT, 1 update, 1 seed, every config.")
-    parser.add_argument("--results", default=os.path.join(HERE, "agent_tools.jsonl"))
-    parser.add_argument("--output_dir", default="/tmp/trl_ppo_agent_tools", help="SFT cache and run folders.")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process.")
-    parser.add_argument("--report", action="store_true", help="Train nothing: the table of the rows in --results.")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -287,7 +292,7 @@ def main() -> None:
     rows = []
     for seed in seeds:
         for name in cli.configs:
-            row = run_worker(dict(spec, config=name, seed=seed), script=__file__)
+            row = run_worker(dict(spec, rl={**rl, **CONFIGS[name]}, config=name, seed=seed), script=__file__)
             if row is None:
                 continue
             rows.append(row)

@@ -2,7 +2,6 @@
 completion forms), its SFT data (the trainers' own prompt, labels on the assistant's turns only), and its small
 CPU form as a smoke test (no learning asserted)."""
 
-import importlib
 import json
 import os
 import random
@@ -10,18 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO_ROOT, load_example_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmark", "agent_tools.py")
+SCRIPT = os.path.join(REPO_ROOT, "benchmark", "agent_tools.py")
 
 
 @pytest.fixture(scope="module")
 def task():
-    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
-    try:
-        return importlib.import_module("agent_task")
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmark"))
+    return load_example_script("agent_task", folder="benchmark")
 
 
 @pytest.fixture(scope="module")
