@@ -74,6 +74,10 @@ PPO = dict(  # shared by every run; total_episodes = `updates` x batch (32 x 4 =
 SFT = task.SFTSettings(hidden_size=64, num_layers=2, steps=900, carry_slip=0.6)  # ~10 s; greedy accuracy ~0.44
 SMOKE_SFT = task.SFTSettings(hidden_size=32, num_layers=1, steps=60, carry_slip=0.6)
 SMOKE_PPO = dict(PPO, updates=2, per_device_train_batch_size=8, gradient_accumulation_steps=2)
+# Every benchmark run: fp32 on the CPU, no gradient checkpointing (TRL 1.12's defaults would turn both on), no
+# saving or reporting, a log per update.
+CPU_RUN = dict(save_strategy="no", report_to="none", logging_steps=1, bf16=False, gradient_checkpointing=False,
+               use_cpu=True, disable_tqdm=True)
 NUM_PROMPTS = 2000  # PPO prompts, drawn from the pool SFT trained on, never from the eval problems
 
 
@@ -123,13 +127,7 @@ def ppo_config(name: str, spec: dict):
         stop_token="eos",
         seed=spec["seed"],
         num_sample_generations=0,
-        save_strategy="no",
-        report_to="none",
-        logging_steps=1,
-        bf16=False,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        disable_tqdm=True,
+        **CPU_RUN,
     )
     if name == TRL:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -304,24 +302,28 @@ def missing_flags(name: str) -> list[str]:
     return [] if name == TRL else [flag for flag in CONFIGS[name] if flag not in fields]
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = list(CONFIGS) + [TRL]
-    parser.add_argument("--configs", nargs="+", choices=names, default=None, help="Default: all of them.")
+def run_arguments(doc: str, results: str, output_dir: str, updates: int) -> argparse.ArgumentParser:
+    """The arguments of a benchmark whose runs are subprocesses over seeds (`run_worker`)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--updates", type=int, default=None, help=f"PPO updates per run (default {PPO['updates']}).")
-    parser.add_argument("--eval_every", type=int, default=10, help="Greedy eval every N updates (0: never).")
-    parser.add_argument("--smoke", action="store_true", help="CI form: tiny SFT, 2 updates, 1 seed, 3 runs.")
-    parser.add_argument("--results", default=os.path.join(HERE, "learning_results.jsonl"))
-    parser.add_argument("--output_dir", default="/tmp/trl_ppo_learning", help="SFT cache and run folders.")
-    parser.add_argument("--plot", default=None, help="Write the mean curves to this PNG.")
+    parser.add_argument("--updates", type=int, default=None, help=f"Updates per run (default {updates}).")
+    parser.add_argument("--results", default=os.path.join(HERE, results))
+    parser.add_argument("--output_dir", default=output_dir, help="SFT cache and run folders.")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per process (2 at most on a shared laptop CPU)."
     )
-    parser.add_argument(
-        "--report", action="store_true", help="Train nothing: the table (and --plot) of the rows in --results."
-    )
+    parser.add_argument("--report", action="store_true", help="Train nothing: the table of the rows in --results.")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args():
+    parser = run_arguments(__doc__, "learning_results.jsonl", "/tmp/trl_ppo_learning", PPO["updates"])
+    names = list(CONFIGS) + [TRL]
+    parser.add_argument("--configs", nargs="+", choices=names, default=None, help="Default: all of them.")
+    parser.add_argument("--eval_every", type=int, default=10, help="Greedy eval every N updates (0: never).")
+    parser.add_argument("--smoke", action="store_true", help="CI form: tiny SFT, 2 updates, 1 seed, 3 runs.")
+    parser.add_argument("--plot", default=None, help="Write the mean curves to this PNG (with --report too).")
     return parser.parse_args()
 
 

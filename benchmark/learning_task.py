@@ -237,6 +237,11 @@ def train_sft(tokenizer, pool: list[tuple[int, int]], settings: SFTSettings, out
         schedule.step()
         if (step + 1) % max(1, settings.steps // 5) == 0:
             log(f"SFT step {step + 1}/{settings.steps}: loss {loss.item():.4f}")
+    return save_sft(model, tokenizer, settings, path)
+
+
+def save_sft(model, tokenizer, settings, path: str) -> str:
+    """Save an SFT policy and its tokenizer, then `done.json` (its settings): a folder without it is unfinished."""
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, "done.json"), "w") as handle:

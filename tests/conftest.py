@@ -4,6 +4,7 @@ of three families (GPT-NeoX, Llama, Qwen2) built from configs and saved, so `fro
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -151,12 +152,14 @@ def build_trainer(
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_example_script(name: str):
-    """A script of examples/scripts (not a package) imported as a module."""
+def load_example_script(name: str, folder: str = os.path.join("examples", "scripts")):
+    """A script of examples/scripts (or of another `folder` of the repository; not a package) imported as a
+    module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "examples", "scripts", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
