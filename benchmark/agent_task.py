@@ -189,25 +189,12 @@ def sft_batch(tokenizer, examples: list[tuple[list[int], list[int]]]) -> dict[st
 
 
 def build_policy(tokenizer, settings: SFTSettings):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from learning_task import tiny_causal_lm  # benchmark/ is on the path of the scripts that train
 
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=settings.hidden_size,
-        num_hidden_layers=settings.num_layers,
-        num_attention_heads=settings.num_heads,
-        num_key_value_heads=settings.num_heads,
-        intermediate_size=4 * settings.hidden_size,
-        max_position_embeddings=1024,
-        rope_theta=settings.rope_theta,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-        num_labels=1,
+    return tiny_causal_lm(
+        "qwen2", tokenizer, settings, num_key_value_heads=settings.num_heads, max_position_embeddings=1024,
+        rope_theta=settings.rope_theta, tie_word_embeddings=True,
     )
-    torch.manual_seed(settings.seed)
-    return Qwen2ForCausalLM(config)
 
 
 def sft_loss(model, batch: dict[str, torch.Tensor], copies: torch.Tensor, digit_ids, digit_weight: float):

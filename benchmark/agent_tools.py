@@ -42,7 +42,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import agent_task as task  # noqa: E402
-from learning import CPU_RUN, log, run_arguments, run_worker  # noqa: E402
+from learning import CPU_RUN, log, run_arguments, run_worker, serve_worker  # noqa: E402
 
 # name -> changes to `RL`. The first three run by default; the `-lam0.95` ones are PPO with GAE's default λ.
 CONFIGS: dict[str, dict] = {
@@ -272,8 +272,7 @@ def parse_args():
 
 def main() -> None:
     cli = parse_args()
-    if cli.worker:
-        print(json.dumps(run_one(json.loads(cli.worker))), flush=True)
+    if serve_worker(cli.worker, run_one):
         return
     if cli.report:
         report(cli.results, cli.smoke)

@@ -198,6 +198,15 @@ def run_one(spec: dict) -> dict:
     }
 
 
+def serve_worker(spec: str | None, run_one) -> bool:
+    """In a `run_worker` subprocess (`--worker SPEC` given): run `run_one(SPEC)` and print its row -> True;
+    otherwise False."""
+    if spec is None:
+        return False
+    print(json.dumps(run_one(json.loads(spec))), flush=True)
+    return True
+
+
 def run_worker(spec: dict, script: str = __file__) -> dict | None:
     """`script --worker SPEC` (its `run_one`) in a fresh subprocess; -> its row, or None (its output shown) when
     it failed."""
@@ -360,8 +369,7 @@ def report(path: str, plot_path: str | None, smoke: bool) -> None:
 
 def main() -> None:
     cli = parse_args()
-    if cli.worker:
-        print(json.dumps(run_one(json.loads(cli.worker))), flush=True)
+    if serve_worker(cli.worker, run_one):
         return
     if cli.report:
         report(cli.results, cli.plot, cli.smoke)

@@ -169,24 +169,31 @@ class SFTSettings:
 
 
 def build_policy(tokenizer, settings: SFTSettings):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return tiny_causal_lm(
+        "gpt_neox", tokenizer, settings, max_position_embeddings=32, attention_dropout=0.0, hidden_dropout=0.0
+    )
 
-    config = GPTNeoXConfig(
+
+def tiny_causal_lm(model_type: str, tokenizer, settings, **extra):
+    """A random-init causal LM of `model_type` shaped by `settings` (`hidden_size`, `num_layers`, `num_heads`,
+    `seed`), with the tokenizer's vocabulary and special tokens; `extra` config fields on top."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=len(tokenizer),
         hidden_size=settings.hidden_size,
         num_hidden_layers=settings.num_layers,
         num_attention_heads=settings.num_heads,
         intermediate_size=4 * settings.hidden_size,
-        max_position_embeddings=32,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
         num_labels=1,
+        **extra,
     )
     torch.manual_seed(settings.seed)
-    return GPTNeoXForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def demonstration(a: int, b: int, rng: random.Random, carry_slip: float) -> str:

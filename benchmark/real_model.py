@@ -35,7 +35,7 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), os.path.join(ROOT, "benchmark")]
-from learning import run_worker  # noqa: E402  (`run_one` of this file in a fresh process)
+from learning import run_worker, serve_worker  # noqa: E402  (`run_one` of this file in a fresh process)
 from sentiment_rewards import vader_compound, vader_scores  # noqa: E402
 
 PROMPTS = os.path.join(ROOT, "examples", "data", "movie_review_prompts.jsonl")
@@ -214,8 +214,7 @@ def main() -> None:
     parser.add_argument("--summarize", default=None, help="print the table of the runs in this JSON-lines file")
     parser.add_argument("--output_root", default=os.path.join(ROOT, "runs", "real_model"))
     args = parser.parse_args()
-    if args.worker is not None:
-        print(json.dumps(run_one(json.loads(args.worker))), flush=True)
+    if serve_worker(args.worker, run_one):
         return
     if args.summarize is not None:
         print(summary([json.loads(line) for line in open(args.summarize) if line.strip()]))
