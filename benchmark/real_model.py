@@ -182,7 +182,7 @@ def summary(rows: list[dict]) -> str:
             continue
         diffs = [gain[name, r["seed"]] - gain["trl", r["seed"]] for r in mine if ("trl", r["seed"]) in gain]
         versus = "—" if name == "trl" or not diffs else f"{mean(diffs):+.3f}"
-        versus += f" ± {standard_error(diffs):.3f}" if len(diffs) > 1 else ""
+        versus += f" ± {standard_error(diffs):.3f}" if name != "trl" and len(diffs) > 1 else ""
         lines.append(f"| {name} | {len(mine)} | {mean([r['held_out_before'] for r in mine]):+.3f} -> "
                      f"{mean([r['held_out_after'] for r in mine]):+.3f} | {versus} | "
                      f"{mean([r['episodes_per_second'] for r in mine]):.3f} | "
