@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, load_example_script
+from conftest import REPO_ROOT, load_example_script, needs_tool_parsing
 
 SCRIPT = os.path.join(REPO_ROOT, "benchmark", "agent_tools.py")
 
@@ -79,6 +79,7 @@ def test_sft_prompt_is_the_trainer_prompt_and_labels_are_the_assistant_turns(tas
     assert 0.25 < sum(rates) / len(rates) < 0.35
 
 
+@needs_tool_parsing
 def test_short_tools_block_is_accepted_by_trl_ppo(task, tool_tokenizer):
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
@@ -98,6 +99,7 @@ def test_held_out_problems_are_never_in_the_pool(task):
 
 
 @pytest.mark.slow
+@needs_tool_parsing
 def test_smoke_run_writes_a_row_per_config_and_a_table(tmp_path):
     pytest.importorskip("trl", reason="TRL 1.12 comes with the dev and bench extras")
     results = tmp_path / "agent.jsonl"
