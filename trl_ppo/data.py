@@ -146,13 +146,19 @@ def fit_prompts(dataset, max_prompt_length: int | None, response_length: int, co
                 f"({max_prompt_length}) and were cut to their last {max_prompt_length} tokens."
             )
     longest = max((len(ids) for ids in dataset["input_ids"]), default=0)
-    if context_length is not None and longest + response_length > context_length:
+    check_fits_context(longest, response_length, context_length, f"The longest prompt in `{name}` has {longest} tokens")
+    return dataset
+
+
+def check_fits_context(prompt_length: int, response_length: int, context_length: int | None, prompt: str) -> None:
+    """Refuse a prompt of `prompt_length` tokens (described by `prompt`) that leaves fewer than `response_length`
+    positions of the model's context."""
+    if context_length is not None and prompt_length + response_length > context_length:
         raise ValueError(
-            f"The longest prompt in `{name}` has {longest} tokens; with `response_length` ({response_length}) that "
-            f"exceeds the model's context ({context_length} positions). Set `max_prompt_length` to at most "
+            f"{prompt}; with `response_length` ({response_length}) that exceeds the model's context "
+            f"({context_length} positions). Set `max_prompt_length` to at most "
             f"{max(context_length - response_length, 0)} to cut long prompts, or lower `response_length`."
         )
-    return dataset
 
 
 def shared_order_loader(dataset, args, collate, num_processes: int, process_index: int):

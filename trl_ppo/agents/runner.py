@@ -14,7 +14,7 @@ from transformers.utils import logging
 from .. import distributed as dist
 from .. import ppo
 from ..config_checks import stop_and_penalty_tokens
-from ..data import LeftPaddingCollator, is_conversational, prompts_on_device
+from ..data import LeftPaddingCollator, check_fits_context, is_conversational, prompts_on_device
 from ..models import context_length
 from ..rewards import Reward
 from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
@@ -159,13 +159,8 @@ def fit_query(query: list[int], max_prompt_length: int | None, response_length: 
             f"`max_prompt_length` ({max_prompt_length}) and are cut to their last {max_prompt_length} tokens."
         )
         query = query[-max_prompt_length:]
-    if context is not None and len(query) + response_length > context:
-        raise ValueError(
-            f"An episode's prompt has {len(query)} tokens once rendered with its tools (and the text of the "
-            f"environment's `reset`); with `response_length` ({response_length}) that exceeds the model's context "
-            f"({context} positions). Set `max_prompt_length` to at most {max(context - response_length, 0)}, or "
-            "lower `response_length`."
-        )
+    check_fits_context(len(query), response_length, context, f"An episode's prompt has {len(query)} tokens once "
+                       "rendered with its tools (and the text of the environment's `reset`)")
     return query
 
 
