@@ -1,6 +1,7 @@
 """trl_ppo against TRL 1.12's PPO trainer on a real pretrained chat model: SmolLM2-135M-Instruct writes one-sentence
 movie reviews, VADER's compound score (in [-1, 1]) is the reward. Same model, prompts, seeds and budget for every
-trainer, fp32 on the CPU, each run in a fresh process:
+trainer, fp32 on the CPU, each run in a fresh process; otherwise each trainer keeps its own defaults, so TRL
+checkpoints activations (its `gradient_checkpointing=True`) and trl_ppo does not:
 
     python benchmark/real_model.py --seeds 0 1 2 3 4 --threads 1 --out benchmark/real_model.jsonl  # about 2 h of one core
     python benchmark/real_model.py --summarize benchmark/real_model.jsonl      # the table again, from the file
@@ -150,9 +151,10 @@ def run_one(spec: dict) -> dict:
         reward = vader_compound
     trainer = PPOTrainer(args=ppo_config(name, spec), processing_class=tokenizer, model=policy, ref_model=None,
                          reward_model=reward, value_model=value_model, train_dataset=train)
-    start, cpu_start, load = time.perf_counter(), cpu_seconds(), os.getloadavg()[0]
+    # CPU time (user + system, all threads): on a shared machine, less noisy than wall time
+    start, cpu_start, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     trainer.train()
-    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     after = greedy_vader(policy, tokenizer, held_out, spec["response_length"])
     curve = [e["objective/scores"] for e in trainer.state.log_history if "objective/scores" in e]
     return {"config": name, "seed": spec["seed"], "held_out_before": before, "held_out_after": after,
@@ -163,12 +165,6 @@ def run_one(spec: dict) -> dict:
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
             **{k: spec[k] for k in ("updates", "held_out", "response_length", "threads")},
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-
-
-def cpu_seconds() -> float:
-    """CPU time of this process so far (user + system): on a shared machine, less noisy than wall time."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def summary(rows: list[dict]) -> str:
