@@ -586,6 +586,26 @@ def test_step_trains_the_policy_and_value_head_but_not_the_reference(gpt2_path, 
     assert all(p.grad is None for p in ref.parameters())
 
 
+def test_critic_warmup_steps_train_only_the_value_head_in_the_first_steps(gpt2_path, tokenizer):
+    """trl_ppo's own field: the first `critic_warmup_steps` step()s move the value head alone (the shared backbone
+    included in "the policy"), later ones move the policy too."""
+    model = load_vhead(gpt2_path)
+    trainer = PPOTrainer(config_for(critic_warmup_steps=1), model, None, tokenizer)
+    queries, responses = episodes(tokenizer, [3, 4], [5, 2])
+    before = snapshot(model)
+    trainer.step(queries, responses, scores_of(1.0, -1.0))
+    assert changed(before, model) == {"v_head.summary.weight", "v_head.summary.bias"}
+    before = snapshot(model)
+    trainer.step(queries, responses, scores_of(1.0, -1.0))
+    assert len(changed(before, model)) >= 0.9 * len(before)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5])
+def test_config_refuses_a_critic_warmup_that_is_not_a_count(value):
+    with pytest.raises((ValueError, TypeError), match="critic_warmup_steps"):
+        config_for(critic_warmup_steps=value)
+
+
 def test_step_with_response_masks(gpt2_path, tokenizer):
     """A mask of ones trains exactly as no mask; masking part of the responses trains differently."""
     queries, responses = episodes(tokenizer, [4, 4], [6, 6])

@@ -31,8 +31,9 @@ def _script_name() -> str:
 
 @dataclass
 class PPOConfig:
-    """Configuration of `trl_ppo.legacy.PPOTrainer`, field for field trl 0.11.4's `PPOConfig` (plus `output_dir`,
-    where `save_checkpoint()` writes). `HfArgumentParser(PPOConfig)` turns it into command-line flags."""
+    """Configuration of `trl_ppo.legacy.PPOTrainer`, field for field trl 0.11.4's `PPOConfig`, plus two fields of
+    trl_ppo's own: `output_dir` (where `save_checkpoint()` writes) and `critic_warmup_steps`.
+    `HfArgumentParser(PPOConfig)` turns it into command-line flags."""
 
     exp_name: str = field(default_factory=_script_name, metadata={"help": "Name of this experiment."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
@@ -111,6 +112,13 @@ class PPOConfig:
     output_dir: str = field(
         default="trl_ppo_legacy_output", metadata={"help": "trl_ppo: where `save_checkpoint()` writes checkpoints."}
     )
+    critic_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "trl_ppo: the first N `step()`s train only the value head (the policy, its backbone included, is "
+            "left untouched), so that a new value head's first errors do not move the policy. 0 (trl 0.11): off."
+        },
+    )
 
     def __post_init__(self):
         check_fields(self, RENAMED)  # the core config's checks of types, finite numbers and bounds
@@ -130,6 +138,8 @@ class PPOConfig:
         for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
+        if not isinstance(self.critic_warmup_steps, int) or self.critic_warmup_steps < 0:
+            raise ValueError(f"`critic_warmup_steps` must be an integer >= 0 (0: off), got {self.critic_warmup_steps!r}.")
         if self.kl_penalty not in ("kl", "abs", "mse", "full"):
             raise ValueError(f"`kl_penalty` must be 'kl', 'abs', 'mse' or 'full', got {self.kl_penalty!r}.")
         self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
@@ -202,6 +212,7 @@ def core_config(config: PPOConfig, stop_token: str | None) -> CorePPOConfig:
         early_stopping=config.early_stopping,
         target_kl=config.target_kl,
         ratio_threshold=config.ratio_threshold,
+        critic_warmup_steps=config.critic_warmup_steps,
         **{CHECKPOINTING_FIELD: config.gradient_checkpointing},  # the old name warns in newer transformers
         bf16=precision == "bf16",
         fp16=precision == "fp16",
