@@ -168,10 +168,11 @@ def run_one(spec: dict) -> dict:
 
 
 def summary(rows: list[dict]) -> str:
-    """Per config: mean held-out gain, episodes/s, peak RSS; against `trl`, the paired difference of the gains."""
+    """Per config: mean held-out gain, the training score (`objective/scores`) of the first and last 4 updates,
+    episodes/s, peak RSS; against `trl`, the paired difference of the held-out gains."""
     gain = {(r["config"], r["seed"]): r["held_out_after"] - r["held_out_before"] for r in rows}
-    lines = ["| config | seeds | held-out VADER before -> after | gain - TRL's gain (± s.e.) | episodes/s | "
-             "episodes/CPU-s | peak RSS MiB |", "|---|---|---|---|---|---|---|"]
+    lines = ["| config | seeds | held-out VADER before -> after | gain - TRL's gain (± s.e.) | training score, "
+             "first 4 -> last 4 updates | episodes/s | episodes/CPU-s | peak RSS MiB |", "|---" * 8 + "|"]
     for name in CONFIGS:
         mine = [r for r in rows if r["config"] == name]
         if not mine:
@@ -181,6 +182,8 @@ def summary(rows: list[dict]) -> str:
         versus += f" ± {standard_error(diffs):.3f}" if name != "trl" and len(diffs) > 1 else ""
         lines.append(f"| {name} | {len(mine)} | {mean([r['held_out_before'] for r in mine]):+.3f} -> "
                      f"{mean([r['held_out_after'] for r in mine]):+.3f} | {versus} | "
+                     f"{mean([mean(r['scores'][:4]) for r in mine]):+.3f} -> "
+                     f"{mean([mean(r['scores'][-4:]) for r in mine]):+.3f} | "
                      f"{mean([r['episodes_per_second'] for r in mine]):.3f} | "
                      f"{mean([r.get('episodes_per_cpu_second', float('nan')) for r in mine]):.3f} | "
                      f"{mean([r['peak_rss_mib'] for r in mine]):.0f} |")

@@ -289,3 +289,9 @@ def test_the_benchmarks_vader_reward_model_scores_the_response_alone(smollm2_tok
     assert scores == pytest.approx(real_model.vader_scores(["A wonderful film.", "Awful."]))
     assert scores[0] > 0.5 and scores[1] < -0.4
     assert real_model.standard_error([1.0, 2.0, 3.0]) == pytest.approx(0.57735, abs=1e-5)
+    row = dict(held_out_before=0.1, episodes_per_second=0.1, episodes_per_cpu_second=0.2, peak_rss_mib=100.0)
+    rows = [dict(row, config="trl", seed=0, held_out_after=0.2, scores=[0.0] * 4 + [1.0] * 4),
+            dict(row, config="trl_ppo", seed=0, held_out_after=0.4, scores=[0.5] * 8)]
+    table = real_model.summary(rows).splitlines()
+    assert table[2].startswith("| trl | 1 | +0.100 -> +0.200 | — | +0.000 -> +1.000 |")
+    assert table[3].startswith("| trl_ppo | 1 | +0.100 -> +0.400 | +0.200 | +0.500 -> +0.500 |")
