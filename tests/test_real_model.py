@@ -295,3 +295,23 @@ def test_the_benchmarks_vader_reward_model_scores_the_response_alone(smollm2_tok
     table = real_model.summary(rows).splitlines()
     assert table[2].startswith("| trl | 1 | +0.100 -> +0.200 | — | +0.000 -> +1.000 |")
     assert table[3].startswith("| trl_ppo | 1 | +0.100 -> +0.400 | +0.200 | +0.500 -> +0.500 |")
+
+
+@pytest.mark.slow
+def test_the_legacy_sentiment_example_runs_its_loop_on_smollm2(smollm2_path, tmp_path, capsys):
+    """`examples/scripts/sentiment_legacy.py`, shrunk: the notebook's loop on the real model, a warm-up step, a
+    policy step, the before/after table and its JSON row."""
+    import json
+
+    script = load_example_script("sentiment_legacy")
+    with pytest.raises(SystemExit):  # a warm-up as long as the run would never train the policy
+        script.parse_args(["--steps", "2", "--critic_warmup_steps", "2"])
+    out = tmp_path / "rows.jsonl"
+    script.main(["--model", smollm2_path, "--steps", "2", "--batch_size", "2", "--response_length", "4",
+                 "--critic_warmup_steps", "1", "--held_out", "3", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "step 1: mean VADER" in printed and "step 2: mean VADER" in printed
+    assert "Held-out mean VADER (sampled, 3 prompts)" in printed and printed.count("  after  (") == 3
+    row = json.loads(out.read_text())
+    assert row["steps"] == 2 and len(row["train_rewards"]) == 2 and row["critic_warmup_steps"] == 1
+    assert -1 <= row["vader_before"] <= 1 and -1 <= row["vader_after"] <= 1
