@@ -3,7 +3,7 @@ movie reviews, VADER's compound score (in [-1, 1]) is the reward. Same model, pr
 trainer, fp32 on the CPU, each run in a fresh process; otherwise each trainer keeps its own defaults, so TRL
 checkpoints activations (its `gradient_checkpointing=True`) and trl_ppo does not:
 
-    python benchmark/real_model.py --seeds 0 1 2 3 4 --threads 1 --out benchmark/real_model.jsonl  # about 1.5 h of one core
+    python benchmark/real_model.py --seeds 0 1 2 3 4 --threads 1 --out benchmark/real_model.jsonl  # 1.5 h of a core
     python benchmark/real_model.py --summarize benchmark/real_model.jsonl      # the table again, from the file
     python benchmark/real_model.py --smoke                                     # a few minutes
 
