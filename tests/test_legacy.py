@@ -600,7 +600,7 @@ def test_critic_warmup_steps_train_only_the_value_head_in_the_first_steps(gpt2_p
     assert len(changed(before, model)) >= 0.9 * len(before)
 
 
-@pytest.mark.parametrize("value", [-1, 1.5])
+@pytest.mark.parametrize("value", [-1, 1.5, True])
 def test_config_refuses_a_critic_warmup_that_is_not_a_count(value):
     with pytest.raises((ValueError, TypeError), match="critic_warmup_steps"):
         config_for(critic_warmup_steps=value)

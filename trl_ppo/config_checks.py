@@ -237,8 +237,6 @@ def _validate_large_scale_options(args: PPOConfig) -> None:
             f"`dual_clip` must be > 1 (it bounds the loss of a negative-advantage token at -A * dual_clip, a ratio "
             f"of dual_clip), got {args.dual_clip}."
         )
-    if args.critic_warmup_steps < 0:
-        fail(f"`critic_warmup_steps` must be >= 0 (0: off), got {args.critic_warmup_steps}.")
     if args.lam_value is not None and not 0.0 <= args.lam_value <= 1.0:
         fail(f"`lam_value` must be in [0, 1] (or None for `lam`), got {args.lam_value}.")
     if args.length_adaptive_lam_alpha is not None:

@@ -41,6 +41,7 @@ BOUNDS = (
     ("entropy_coef", 0.0, MAX_COEFFICIENT, "0: off; usual: 0.001 to 0.01"),
     ("kl_loss_coef", 0.0, MAX_COEFFICIENT, "0: off; usual: 0.001 to 0.1"),
     ("kl_horizon", 1.0, None, "in episodes; default 10000"),
+    ("critic_warmup_steps", 0, None, "0: off"),
 )
 
 

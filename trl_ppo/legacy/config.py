@@ -138,9 +138,6 @@ class PPOConfig:
         for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.")
-        warmup = self.critic_warmup_steps
-        if not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"`critic_warmup_steps` must be an integer >= 0 (0: off), got {warmup!r}.")
         if self.kl_penalty not in ("kl", "abs", "mse", "full"):
             raise ValueError(f"`kl_penalty` must be 'kl', 'abs', 'mse' or 'full', got {self.kl_penalty!r}.")
         self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
