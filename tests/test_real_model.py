@@ -4,10 +4,12 @@ and converts it, about 45 s; later runs reuse .cache/)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from conftest import load_example_script
+from conftest import REPO_ROOT, load_example_script
 
 get_smollm2 = load_example_script("get_smollm2")
 
@@ -272,8 +274,6 @@ def test_the_benchmarks_vader_reward_model_scores_the_response_alone(smollm2_tok
     assistant header, cut at its `<|im_end|>`, whatever TRL's attention mask drops (TRL masks every pad id)."""
     import importlib.util
 
-    from conftest import REPO_ROOT
-
     spec = importlib.util.spec_from_file_location("real_model", f"{REPO_ROOT}/benchmark/real_model.py")
     real_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(real_model)
@@ -315,3 +315,38 @@ def test_the_legacy_sentiment_example_runs_its_loop_on_smollm2(smollm2_path, tmp
     row = json.loads(out.read_text())
     assert row["steps"] == 2 and len(row["train_rewards"]) == 2 and row["critic_warmup_steps"] == 1
     assert -1 <= row["vader_before"] <= 1 and -1 <= row["vader_after"] <= 1
+
+
+def test_the_legacy_sentiment_example_runs_the_cli_examples_settings():
+    """`sentiment_legacy.py`'s defaults, mapped to the core config its `step()`s run, are those of
+    `examples/configs/smollm2_sentiment.yaml` (the `trl-ppo` example) but for bookkeeping and the names of one batch
+    layout, so that the two APIs' learning figures in benchmark/RESULTS.md compare the same PPO. A change to one of
+    them fails here until the other follows (or the difference is named below)."""
+    import dataclasses
+
+    from trl_ppo import cli
+    from trl_ppo.config_checks import compute_batch_sizes
+    from trl_ppo.legacy.config import core_config
+
+    script = load_example_script("sentiment_legacy")
+    args = script.parse_args([])
+    legacy = core_config(script.ppo_config(args), "eos")
+    config_file = os.path.join(REPO_ROOT, "examples", "configs", "smollm2_sentiment.yaml")
+    script_args, example, _, _ = cli.parse(["--config", config_file])
+    script_args.dataset_name = os.path.join(REPO_ROOT, script_args.dataset_name)
+    train_prompts, eval_prompts = cli.load_prompt_datasets(script_args)
+    assert len(eval_prompts) == args.held_out and os.path.samefile(args.prompts, script_args.dataset_name)
+    for config in (legacy, example):
+        compute_batch_sizes(config, 1, len(train_prompts))
+    differing = {f.name for f in dataclasses.fields(example) if getattr(legacy, f.name) != getattr(example, f.name)}
+    bookkeeping = {"output_dir", "run_name", "logging_strategy", "logging_steps", "disable_tqdm", "eval_strategy",
+                   "eval_steps", "per_device_eval_batch_size", "eval_on_start", "do_eval", "num_sample_generations"}
+    layout = {"per_device_train_batch_size", "gradient_accumulation_steps", "micro_batch_size",
+              "local_rollout_forward_batch_size"}  # 8 episodes, 2 minibatches of 4, one backward each, either way
+    elsewhere = {"lr_scheduler_type", "response_length"}  # the script's `lr_scheduler` and `max_new_tokens`
+    assert differing - bookkeeping - layout - elsewhere == {"ratio_threshold"}  # trl 0.11's default of 10
+    for name in ("local_batch_size", "local_mini_batch_size", "train_forward_batch_size", "total_episodes"):
+        assert getattr(legacy, name) == getattr(example, name), name
+    assert example.total_episodes // example.batch_size == args.steps
+    assert example.response_length == args.response_length
+    assert example.lr_scheduler_type == "linear" and example.warmup_steps == 0  # the script's LinearLR to 0

@@ -50,13 +50,19 @@ def held_out_reviews(ppo_trainer, held_out, generation_kwargs, seed: int) -> lis
     return ppo_trainer.tokenizer.batch_decode(responses, skip_special_tokens=True)
 
 
+def ppo_config(args) -> PPOConfig:
+    """trl 0.11's config of the run: `args.steps` steps of `args.batch_size` episodes, two epochs of two
+    minibatches, a fixed KL coefficient (`tests/test_real_model.py` checks that it is the `trl-ppo` example's)."""
+    return PPOConfig(model_name=args.model, steps=args.steps * args.batch_size, learning_rate=args.learning_rate,
+                     batch_size=args.batch_size, mini_batch_size=args.batch_size // 2, ppo_epochs=2,
+                     init_kl_coef=args.kl_coef, adap_kl_ctrl=False, max_grad_norm=args.max_grad_norm,
+                     critic_warmup_steps=args.critic_warmup_steps, seed=args.seed)
+
+
 def make_trainer(args, tokenizer, train_rows) -> PPOTrainer:
     """The notebook's trainer: a value-head model, a frozen reference copy, the dataset and its collator; plus the
     optimizer and its linear decay (trl 0.11's `optimizer` and `lr_scheduler` arguments)."""
-    config = PPOConfig(model_name=args.model, steps=args.steps * args.batch_size, learning_rate=args.learning_rate,
-                       batch_size=args.batch_size, mini_batch_size=args.batch_size // 2, ppo_epochs=2,
-                       init_kl_coef=args.kl_coef, adap_kl_ctrl=False, max_grad_norm=args.max_grad_norm,
-                       critic_warmup_steps=args.critic_warmup_steps, seed=args.seed)
+    config = ppo_config(args)
     model = AutoModelForCausalLMWithValueHead.from_pretrained(args.model)
     ref_model = create_reference_model(model)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
