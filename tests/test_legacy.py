@@ -606,6 +606,15 @@ def test_config_refuses_a_critic_warmup_that_is_not_a_count(value):
         config_for(critic_warmup_steps=value)
 
 
+def test_config_refuses_a_critic_warmup_as_long_as_the_run_in_trl011_terms():
+    """`steps` episodes in batches of `batch_size` make ceil(steps / batch_size) `step()`s; a warm-up that long
+    would never train the policy. The error names trl 0.11's fields, not the core config's."""
+    config_for(steps=6, critic_warmup_steps=2)  # 3 steps: the last trains the policy
+    with pytest.raises(ValueError, match=r"ceil\(steps / batch_size\) = 3") as error:
+        config_for(steps=6, critic_warmup_steps=3)
+    assert "total_episodes" not in str(error.value)
+
+
 def test_step_with_response_masks(gpt2_path, tokenizer):
     """A mask of ones trains exactly as no mask; masking part of the responses trains differently."""
     queries, responses = episodes(tokenizer, [4, 4], [6, 6])

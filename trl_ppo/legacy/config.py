@@ -152,6 +152,12 @@ class PPOConfig:
             if not is_wandb_available():
                 raise ImportError("`log_with='wandb'` needs wandb: `pip install wandb`.")
         self.total_ppo_epochs = int(math.ceil(self.steps / self.batch_size))
+        if self.critic_warmup_steps >= max(self.total_ppo_epochs, 1):
+            raise ValueError(
+                f"`critic_warmup_steps` ({self.critic_warmup_steps}) must be smaller than the run's `step()`s, "
+                f"ceil(steps / batch_size) = {max(self.total_ppo_epochs, 1)}: otherwise the policy never trains. "
+                "Raise `steps` (episodes in all) or lower `critic_warmup_steps`."
+            )
 
     def to_dict(self) -> dict:
         """The fields as one flat dict (nested dicts joined with '/'), as trl 0.11 logged them."""
