@@ -177,6 +177,7 @@ def test_a_minibatch_smaller_than_a_micro_batch_updates_as_one_micro_batch(
         (dict(stop_token="eos", stop_token_id=3), "both set"),
         (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
         (dict(kl_estimator="k4"), "kl_estimator"),
+        (dict(value_head_init="orthogonal"), "Unknown `value_head_init`"),
         (dict(lam=1.5), "lam"),
         (dict(kl_coef=-0.1), r"`kl_coef` must be >= 0, got -0.1"),
         (dict(vf_coef=-1.0), r"`vf_coef` must be >= 0, got -1.0"),

@@ -265,6 +265,15 @@ class PPOConfig(OnPolicyConfig):
     cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy probability ratio."})
     vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value function."})
+    value_head_init: Literal["normal", "zeros"] = field(
+        default="normal",
+        metadata={
+            "help": "How the value head the trainer adds (`value_model=None`: a head on the policy's backbone) "
+            "starts: 'normal' (weights N(0, 1/(H+1)), the original RLHF code's head) or 'zeros' (every value 0 "
+            "until it learns, so the first advantages are the discounted scores rather than a random head's "
+            "per-token noise). A head the model already has is kept."
+        },
+    )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "Lambda of generalized advantage estimation (GAE)."})
 

@@ -171,9 +171,12 @@ class PolicyAndValueWrapper(nn.Module):
         return output
 
 
-def with_value_function(model: nn.Module, value_model: nn.Module | None, seed: int) -> nn.Module:
+def with_value_function(
+    model: nn.Module, value_model: nn.Module | None, seed: int, head_init: str = "normal"
+) -> nn.Module:
     """The policy to train: `model` as given when a separate `value_model` is checked and used, else `model` with
-    a value head (`AutoModelForCausalLMWithValueHead`; a new head is initialised from `seed`)."""
+    a value head (`AutoModelForCausalLMWithValueHead`; a new head is initialised from `seed`, or to zeros with
+    `head_init="zeros"`)."""
     check_causal_lm(model)
     if value_model is not None:
         if is_value_head_model(model):
@@ -187,7 +190,10 @@ def with_value_function(model: nn.Module, value_model: nn.Module | None, seed: i
         return model
     with torch.random.fork_rng(devices=[]):  # reproducible, and the global RNG stream is left as it was
         torch.manual_seed(seed)
-        return AutoModelForCausalLMWithValueHead(model)
+        policy = AutoModelForCausalLMWithValueHead(model)
+    if head_init == "zeros":
+        nn.init.zeros_(policy.v_head.summary.weight)  # the bias starts at 0 either way
+    return policy
 
 
 def add_peft_adapter(policy: nn.Module, peft_config) -> nn.Module:

@@ -104,7 +104,7 @@ class PPOTrainer(OnPolicyTrainer):
         tokenizer = processing_class
         rewards = validate_inputs(args, tokenizer, reward_model, reward_processing_class)
         self.agents = agent_runner(args, tokenizer, tools, environment_factory, rewards, train_dataset)
-        model = with_value_function(model, value_model, args.seed)
+        model = with_value_function(model, value_model, args.seed, args.value_head_init)
         train_dataset, eval_dataset = prepare_data(args, tokenizer, train_dataset, eval_dataset, model, rewards)
         fingerprints = initial_fingerprints(model, ref_model, value_model, rewards, train_dataset)
         model, ref_model = prepare_all_models(args, tokenizer, model, ref_model, value_model, rewards, peft_config)
