@@ -367,6 +367,22 @@ def test_value_head_model_from_a_path_and_from_a_model(gpt2_path):
     assert wrapped.v_head.summary.weight.shape == (1, 32)
 
 
+def test_value_head_init_strategy_normal_draws_the_head_from_the_given_range(gpt2_path):
+    """trl 0.11's `v_head_init_strategy="normal"`: weights from N(0, `v_head_initializer_range`), bias 0; a range of
+    0 is a head of zeros (every value 0 until it learns). Another strategy is refused."""
+    wide = AutoModelForCausalLMWithValueHead.from_pretrained(
+        gpt2_path, v_head_init_strategy="normal", v_head_initializer_range=5.0
+    )
+    assert 2.0 < wide.v_head.summary.weight.std().item() < 10.0 and not wide.v_head.summary.bias.any()
+    zeros = AutoModelForCausalLMWithValueHead.from_pretrained(
+        gpt2_path, v_head_init_strategy="normal", v_head_initializer_range=0.0
+    )
+    assert not zeros.v_head.summary.weight.any()
+    assert not zeros(torch.tensor([[5, 6, 7]]))[2].any()
+    with pytest.raises(ValueError, match="v_head_init_strategy"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(gpt2_path, v_head_init_strategy="orthogonal")
+
+
 def test_value_head_forward_returns_logits_loss_and_values(gpt2_path, tokenizer):
     model = load_vhead(gpt2_path).eval()
     input_ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])

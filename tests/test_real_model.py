@@ -343,10 +343,12 @@ def test_the_legacy_sentiment_example_runs_the_cli_examples_settings():
                    "eval_steps", "per_device_eval_batch_size", "eval_on_start", "do_eval", "num_sample_generations"}
     layout = {"per_device_train_batch_size", "gradient_accumulation_steps", "micro_batch_size",
               "local_rollout_forward_batch_size"}  # 8 episodes, 2 minibatches of 4, one backward each, either way
-    elsewhere = {"lr_scheduler_type", "response_length"}  # the script's `lr_scheduler` and `max_new_tokens`
+    # the script's `lr_scheduler`, `max_new_tokens` and trl 0.11's head options, checked below
+    elsewhere = {"lr_scheduler_type", "response_length", "value_head_init"}
     assert differing - bookkeeping - layout - elsewhere == {"ratio_threshold"}  # trl 0.11's default of 10
     for name in ("local_batch_size", "local_mini_batch_size", "train_forward_batch_size", "total_episodes"):
         assert getattr(legacy, name) == getattr(example, name), name
     assert example.total_episodes // example.batch_size == args.steps
     assert example.response_length == args.response_length
     assert example.lr_scheduler_type == "linear" and example.warmup_steps == 0  # the script's LinearLR to 0
+    assert example.value_head_init == args.value_head_init

@@ -63,7 +63,10 @@ def make_trainer(args, tokenizer, train_rows) -> PPOTrainer:
     """The notebook's trainer: a value-head model, a frozen reference copy, the dataset and its collator; plus the
     optimizer and its linear decay (trl 0.11's `optimizer` and `lr_scheduler` arguments)."""
     config = ppo_config(args)
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(args.model)
+    # trl 0.11's own head options: N(0, 0) is a head of zeros (`value_head_init: zeros` in the trl-ppo example)
+    zeros = args.value_head_init == "zeros"
+    head = {"v_head_init_strategy": "normal", "v_head_initializer_range": 0.0} if zeros else {}
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(args.model, **head)
     ref_model = create_reference_model(model)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
     decay = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0, total_iters=args.steps)
@@ -105,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kl_coef", type=float, default=0.05, help="`init_kl_coef`, fixed (`adap_kl_ctrl=False`)")
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--critic_warmup_steps", type=int, default=5)
+    parser.add_argument("--value_head_init", choices=("normal", "zeros"), default="normal",
+                        help="the new value head's weights: N(0, 1/(H+1)), or zeros (values 0 until it learns)")
     parser.add_argument("--held_out", type=int, default=18, help="the last N prompts, never trained on (those of "
                         "the `trl-ppo` example's evaluation)")
     parser.add_argument("--response_length", type=int, default=32)
@@ -143,7 +148,8 @@ def main(argv=None) -> None:
               f"  after  ({vader_after[i]:+.2f}): {after[i]!r}")
     if args.json:
         with open(args.json, "a") as handle:
-            settings = {key: getattr(args, key) for key in ("kl_coef", "max_grad_norm", "critic_warmup_steps")}
+            settings = {key: getattr(args, key) for key in ("kl_coef", "max_grad_norm", "critic_warmup_steps",
+                                                            "value_head_init")}
             row = {"api": "legacy", "seed": args.seed, "steps": args.steps, **settings, "vader_before": mean_before,
                    "vader_after": mean_after, "train_seconds": round(seconds, 1),
                    "train_cpu_seconds": round(cpu_seconds, 1), "threads": torch.get_num_threads(),
