@@ -7,8 +7,9 @@ score, `step`, `log_stats`. Offline and on the CPU:
 
 The settings are those of `trl-ppo train --config examples/configs/smollm2_sentiment.yaml`, in trl 0.11's terms
 where it has them: the learning rate decays linearly to 0 over the steps (an `lr_scheduler`, which trl 0.11's
-`PPOTrainer` takes), gradients are clipped to norm 1 (`max_grad_norm`) and the new value head learns alone in the
-first 5 steps (`critic_warmup_steps`, a field of trl_ppo's own; trl 0.11 had no such option).
+`PPOTrainer` takes), gradients are clipped to norm 1 (`max_grad_norm`), the new value head starts at zero (trl 0.11's
+`v_head_init_strategy="normal"` with `v_head_initializer_range=0`) and learns alone in the first 5 steps
+(`critic_warmup_steps`, a field of trl_ppo's own; trl 0.11 had no such option).
 
 Before and after training it samples a review for each held-out prompt (the last 18 of the prompt file, which
 training never sees; `--held_out`), prints their mean VADER score and a table of the first few.
@@ -108,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kl_coef", type=float, default=0.05, help="`init_kl_coef`, fixed (`adap_kl_ctrl=False`)")
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--critic_warmup_steps", type=int, default=5)
-    parser.add_argument("--value_head_init", choices=("normal", "zeros"), default="normal",
+    parser.add_argument("--value_head_init", choices=("normal", "zeros"), default="zeros",
                         help="the new value head's weights: N(0, 1/(H+1)), or zeros (values 0 until it learns)")
     parser.add_argument("--held_out", type=int, default=18, help="the last N prompts, never trained on (those of "
                         "the `trl-ppo` example's evaluation)")
