@@ -6,12 +6,13 @@ checkpoints activations (its `gradient_checkpointing=True`) and trl_ppo does not
     python benchmark/real_model.py --seeds 0 1 2 3 4 --threads 1 --out benchmark/real_model.jsonl  # 1.5 h of a core
     python benchmark/real_model.py --summarize benchmark/real_model.jsonl      # the table again, from the file
     python benchmark/real_model.py --smoke                                     # a few minutes
-    python benchmark/real_model.py --updates 30 --seeds 0 1 2 --threads 1 --out benchmark/real_model_30.jsonl
+    python benchmark/real_model.py --updates 30 --threads 1                   # the demo's budget (not yet run)
 
 Trainers ("configs"): `trl` (TRL 1.12, a separate value model initialised from the policy's weights, as TRL's
 example does with its reward model), `trl_ppo` (the same separate value model) and `trl_ppo-value-head`
 (`value_model=None`: a value head on the policy's backbone, with `critic_warmup_steps=5` as in
-`make demo-real`). Per run: the reward curve (`objective/scores` of
+`make demo-real`, and the head drawn from N(0, 1/(H+1)), `value_head_init="normal"`, the default when the
+committed rows were measured). Per run: the reward curve (`objective/scores` of
 every update), the mean VADER score of greedy reviews of the held-out prompts (the last 100 of
 examples/data/movie_review_prompts.jsonl, never trained on) before and after, episodes per second of training, and
 the process's peak RSS. The summary gives, per config, the mean gain in held-out score and, against `trl`, the mean
@@ -125,6 +126,7 @@ def ppo_config(name: str, spec: dict):
 
     if name == "trl_ppo-value-head":  # the new head learns alone first, as in make demo-real (benchmark/RESULTS.md)
         common["critic_warmup_steps"] = min(5, spec["updates"] - 1)
+        common["value_head_init"] = "normal"  # the default when the committed rows were measured
     return PPOConfig(**common)
 
 

@@ -100,18 +100,16 @@ def test_a_value_head_policy_with_a_separate_value_model_is_rejected(
         )
 
 
-def test_value_head_init_zeros_starts_every_value_at_zero_and_the_head_still_learns(
-    make_config, tokenizer, load_models, prompt_dataset
-):
-    """`value_head_init="zeros"`: the added head's values are 0 everywhere before training (the default head's are
-    not), and the value loss still moves it (its gradient is the hidden state times the error)."""
-    config = make_config(value_head_init="zeros")
-    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, reward=count_good, value_model=None)
+def test_the_added_value_head_starts_at_zero_and_still_learns(make_config, tokenizer, load_models, prompt_dataset):
+    """By default (`value_head_init="zeros"`) the added head's values are 0 everywhere before training, and the
+    value loss still moves it (its gradient is the hidden state times the error); `"normal"` draws the weights."""
+    trainer = build_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=count_good, value_model=None)
     model = trainer.accelerator.unwrap_model(trainer.model).policy
     ids = torch.tensor([[5, 6, 7, 8]])
     assert torch.equal(model(input_ids=ids).value, torch.zeros(1, 4))
-    default = build_trainer(make_config(), tokenizer, load_models, prompt_dataset, reward=count_good, value_model=None)
-    assert trainer.accelerator.unwrap_model(default.model).policy(input_ids=ids).value.abs().min() > 0
+    config = make_config(value_head_init="normal")
+    drawn = build_trainer(config, tokenizer, load_models, prompt_dataset, reward=count_good, value_model=None)
+    assert trainer.accelerator.unwrap_model(drawn.model).policy(input_ids=ids).value.abs().min() > 0
     trainer.train()
     assert model.v_head.summary.weight.abs().sum() > 0
 

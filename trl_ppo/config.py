@@ -265,13 +265,13 @@ class PPOConfig(OnPolicyConfig):
     cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy probability ratio."})
     vf_coef: float = field(default=0.1, metadata={"help": "Value loss coefficient."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value function."})
-    value_head_init: Literal["normal", "zeros"] = field(
-        default="normal",
+    value_head_init: Literal["zeros", "normal"] = field(
+        default="zeros",
         metadata={
             "help": "How the value head the trainer adds (`value_model=None`: a head on the policy's backbone) "
-            "starts: 'normal' (weights N(0, 1/(H+1)), the original RLHF code's head) or 'zeros' (every value 0 "
-            "until it learns, so the first advantages are the discounted scores rather than a random head's "
-            "per-token noise). A head the model already has is kept."
+            "starts: 'zeros' (every value 0 until it learns, so the first advantages are the discounted scores) or "
+            "'normal' (weights N(0, 1/(H+1)); on a pretrained model's large hidden states, per-token values of "
+            "std ~1, noise that swamps scores of order 1). A head the model already has is kept."
         },
     )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})

@@ -172,11 +172,10 @@ class PolicyAndValueWrapper(nn.Module):
 
 
 def with_value_function(
-    model: nn.Module, value_model: nn.Module | None, seed: int, head_init: str = "normal"
+    model: nn.Module, value_model: nn.Module | None, seed: int, head_init: str = "zeros"
 ) -> nn.Module:
     """The policy to train: `model` as given when a separate `value_model` is checked and used, else `model` with
-    a value head (`AutoModelForCausalLMWithValueHead`; a new head is initialised from `seed`, or to zeros with
-    `head_init="zeros"`)."""
+    a new value head (`AutoModelForCausalLMWithValueHead`): zeros, or with `head_init="normal"` drawn from `seed`."""
     check_causal_lm(model)
     if value_model is not None:
         if is_value_head_model(model):
