@@ -164,6 +164,35 @@ def test_resume_with_another_batch_size_or_model_names_the_difference(
         other_model.train(resume_from_checkpoint=True)
 
 
+def test_a_checkpoint_with_the_value_head_drawn_names_value_head_init_and_resumes_with_it(
+    make_config, tokenizer, load_models, prompt_dataset
+):
+    """Checkpoints written while `value_head_init` defaulted to 'normal' (or before it existed) start from another
+    initial policy than today's default: the refusal says which setting to pass, and with it the run resumes."""
+    first = make(make_config, tokenizer, load_models, prompt_dataset, shared_head=True, value_head_init="normal",
+                 total_episodes=24)
+    first.args.num_total_batches = 2  # stopped after update 2, with checkpoint-2 written
+    first.train()
+    today = make(make_config, tokenizer, load_models, prompt_dataset, shared_head=True, total_episodes=24)
+    with pytest.raises(ValueError, match=r"value_head_init`: checkpoint has 'normal', this run has 'zeros'.*Pass "
+                                         r"`value_head_init='normal'` to resume"):
+        today.train(resume_from_checkpoint=True)
+    again = make(make_config, tokenizer, load_models, prompt_dataset, shared_head=True, value_head_init="normal",
+                 total_episodes=24)
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 3
+
+
+def test_a_checkpoint_from_before_value_head_init_existed_is_named_as_such():
+    from trl_ppo.checkpoint.identity import value_head_init_change
+
+    old = {"policy_fingerprint": {"checksum": 1.0}, "config": {"vf_coef": 0.1}}
+    now = {"policy_fingerprint": {"checksum": 2.0}, "config": {"vf_coef": 0.1, "value_head_init": "zeros"}}
+    (change,) = value_head_init_change(old, now)
+    assert "checkpoint has 'normal' (written before the option existed), this run has 'zeros'" in change
+    assert value_head_init_change(old, {**now, "policy_fingerprint": {"checksum": 1.0}}) == []  # same policy
+
+
 def test_resume_lists_every_changed_setting_and_the_value_it_uses(
     make_config, tokenizer, load_models, prompt_dataset, caplog
 ):

@@ -146,7 +146,20 @@ def identity_differences(saved: dict, current: dict) -> list[str]:
         if key not in ("config", "train_dataset") and saved.get(key) != current[key]
     ]
     refused, _ = config_changes(saved.get("config", {}), current.get("config", {}))  # older checkpoints: none
-    return differences + refused + prompts_changes(saved.get("train_dataset"), current.get("train_dataset"))[0]
+    prompts = prompts_changes(saved.get("train_dataset"), current.get("train_dataset"))[0]
+    return differences + refused + prompts + value_head_init_change(saved, current)
+
+
+def value_head_init_change(saved: dict, current: dict) -> list[str]:
+    """When the initial policies differ and so does `value_head_init` (the value head the trainer adds; a checkpoint
+    written before the option existed had the head drawn, 'normal'), that change, and how to resume."""
+    saved_config, now = saved.get("config", {}), current.get("config", {}).get("value_head_init")
+    was = saved_config.get("value_head_init", "normal")
+    if now is None or was == now or saved.get("policy_fingerprint") == current.get("policy_fingerprint"):
+        return []
+    when = "" if "value_head_init" in saved_config else " (written before the option existed)"
+    return [f"`value_head_init`: checkpoint has {was!r}{when}, this run has {now!r}: the added value head starts "
+            f"differently. Pass `value_head_init={was!r}` to resume."]
 
 
 def check_resumable(saved: dict, current: dict, checkpoint: str) -> None:
