@@ -9,14 +9,14 @@ checkpoints activations (its `gradient_checkpointing=True`) and trl_ppo does not
     python benchmark/real_model.py --updates 30 --threads 1                   # the demo's budget (not yet run)
 
 Trainers ("configs"): `trl` (TRL 1.12, a separate value model initialised from the policy's weights, as TRL's
-example does with its reward model), `trl_ppo` (the same separate value model) and `trl_ppo-value-head`
-(`value_model=None`: a value head on the policy's backbone, with `critic_warmup_steps=5` as in
-`make demo-real`, and the head drawn from N(0, 1/(H+1)), `value_head_init="normal"`, the default when the
-committed rows were measured). Per run: the reward curve (`objective/scores` of
-every update), the mean VADER score of greedy reviews of the held-out prompts (the last 100 of
-examples/data/movie_review_prompts.jsonl, never trained on) before and after, episodes per second of training, and
-the process's peak RSS. The summary gives, per config, the mean gain in held-out score and, against `trl`, the mean
-paired difference of the gains with its standard error over seeds.
+example does with its reward model), `trl_ppo` (the same separate value model), `trl_ppo-value-head`
+(`value_model=None`: a value head on the policy's backbone, with `critic_warmup_steps=5` as in `make demo-real`, and
+the head drawn from N(0, 1/(H+1)), `value_head_init="normal"`, the default when the committed rows were measured)
+and `trl_ppo-value-head-zeros` (the same with the head at zero, today's default). Per run: the reward curve
+(`objective/scores` of every update), the mean VADER score of greedy reviews of the held-out prompts (the last 100
+of examples/data/movie_review_prompts.jsonl, never trained on) before and after, episodes per second of training,
+and the process's peak RSS. The summary gives, per config, the mean gain in held-out score and, against `trl`, the
+mean paired difference of the gains with its standard error over seeds.
 
 TRL 1.12 takes only reward models, so there VADER is wrapped in a module of a sequence classifier's shape that
 scores the response of each row (after the last `<|im_start|>assistant\\n`, cut at its first `<|im_end|>`) and
@@ -42,7 +42,7 @@ from learning import run_worker, serve_worker  # noqa: E402  (`run_one` of this 
 from sentiment_rewards import vader_compound, vader_scores  # noqa: E402
 
 PROMPTS = os.path.join(ROOT, "examples", "data", "movie_review_prompts.jsonl")
-CONFIGS = ("trl", "trl_ppo", "trl_ppo-value-head")
+CONFIGS = ("trl", "trl_ppo", "trl_ppo-value-head", "trl_ppo-value-head-zeros")
 FULL = dict(updates=12, held_out=100, response_length=24)
 SMOKE = dict(updates=2, held_out=8, response_length=8)
 
@@ -124,9 +124,10 @@ def ppo_config(name: str, spec: dict):
         return PPOConfig(**common)
     from trl_ppo import PPOConfig
 
-    if name == "trl_ppo-value-head":  # the new head learns alone first, as in make demo-real (benchmark/RESULTS.md)
+    if name.startswith("trl_ppo-value-head"):  # the new head learns alone first, as in make demo-real (RESULTS.md)
         common["critic_warmup_steps"] = min(5, spec["updates"] - 1)
-        common["value_head_init"] = "normal"  # the default when the committed rows were measured
+        # drawn: the default when that config's committed rows were measured; -zeros: today's default
+        common["value_head_init"] = "zeros" if name.endswith("-zeros") else "normal"
     return PPOConfig(**common)
 
 
@@ -140,7 +141,7 @@ def run_one(spec: dict) -> dict:
     train, held_out = prompt_splits(tokenizer, spec["held_out"])
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     value_model = None
-    if name != "trl_ppo-value-head":
+    if not name.startswith("trl_ppo-value-head"):
         value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1,
                                                                          dtype=torch.float32)
     before = greedy_vader(policy, tokenizer, held_out, spec["response_length"])
