@@ -113,3 +113,14 @@ def test_the_added_value_head_starts_at_zero_and_still_learns(make_config, token
     trainer.train()
     assert model.v_head.summary.weight.abs().sum() > 0
 
+
+def test_value_head_reset_parameters_zeros_normal_and_unknown():
+    from trl_ppo.value_head import ValueHead
+
+    head = ValueHead(8)
+    head.reset_parameters("zeros")
+    assert not head.summary.weight.any() and not head.summary.bias.any()
+    head.reset_parameters("normal")
+    assert head.summary.weight.abs().min() > 0 and not head.summary.bias.any()
+    with pytest.raises(ValueError, match="Unknown value head init 'uniform'"):
+        head.reset_parameters("uniform")

@@ -11,6 +11,7 @@ from .config import OnPolicyConfig, PPOConfig
 from .config_fields import check_fields
 from .kl import KL_ESTIMATORS
 from .losses import LOSS_AGG_MODES
+from .value_head import VALUE_HEAD_INITS
 
 logger = logging.get_logger(__name__)
 
@@ -198,8 +199,8 @@ def _validate_ppo_config(args: PPOConfig) -> None:
             fail(f"Adaptive KL control multiplies `kl_coef`, so it must be > 0 with `kl_target`, got {args.kl_coef}.")
     if args.kl_penalty not in ("kl", "abs", "mse", "full"):
         fail(f"Unknown `kl_penalty` {args.kl_penalty!r}: use 'kl', 'abs', 'mse' or 'full'.")
-    if args.value_head_init not in ("normal", "zeros"):
-        fail(f"Unknown `value_head_init` {args.value_head_init!r}: use 'normal' or 'zeros'.")
+    if args.value_head_init not in VALUE_HEAD_INITS:
+        fail(f"Unknown `value_head_init` {args.value_head_init!r}: use 'zeros' or 'normal'.")
     if args.kl_penalty != "kl" and args.kl_estimator != "k1":
         fail(
             f"`kl_penalty={args.kl_penalty!r}` replaces the KL estimator, and `kl_estimator={args.kl_estimator!r}` "

@@ -189,9 +189,9 @@ def with_value_function(
         return model
     with torch.random.fork_rng(devices=[]):  # reproducible, and the global RNG stream is left as it was
         torch.manual_seed(seed)
-        policy = AutoModelForCausalLMWithValueHead(model)
+        policy = AutoModelForCausalLMWithValueHead(model)  # its head drawn ("normal"), as from this seed before
     if head_init == "zeros":
-        nn.init.zeros_(policy.v_head.summary.weight)  # the bias starts at 0 either way
+        policy.v_head.reset_parameters("zeros")
     return policy
 
 

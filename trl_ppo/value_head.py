@@ -22,6 +22,7 @@ from .compat import CACHE_KEYWORD, enable_activation_checkpointing, returned_cac
 logger = logging.get_logger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+VALUE_HEAD_INITS = ("zeros", "normal")  # `ValueHead.reset_parameters`, `PPOConfig.value_head_init`
 
 
 class ValueHead(nn.Module):
@@ -33,9 +34,14 @@ class ValueHead(nn.Module):
         self.summary = nn.Linear(hidden_size, 1)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        hidden_size = self.summary.in_features
-        nn.init.normal_(self.summary.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+    def reset_parameters(self, init: str = "normal") -> None:
+        """`init="normal"`: weights from N(0, 1/(H+1)); `"zeros"`: every value 0 until the head learns. Bias 0."""
+        if init not in VALUE_HEAD_INITS:
+            raise ValueError(f"Unknown value head init {init!r}: use one of {VALUE_HEAD_INITS}.")
+        if init == "zeros":
+            nn.init.zeros_(self.summary.weight)
+        else:
+            nn.init.normal_(self.summary.weight, std=1.0 / (self.summary.in_features + 1) ** 0.5)
         nn.init.zeros_(self.summary.bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
