@@ -4,7 +4,8 @@ trainer, fp32 on the CPU, each run in a fresh process; otherwise each trainer ke
 checkpoints activations (its `gradient_checkpointing=True`) and trl_ppo does not:
 
     python benchmark/real_model.py --seeds 0 1 2 3 4 --threads 1 --out benchmark/real_model.jsonl  # 1.5 h of a core
-    python benchmark/real_model.py --summarize benchmark/real_model.jsonl      # the table again, from the file
+    python benchmark/real_model.py --summarize benchmark/real_model.jsonl --plot benchmark/real_model.png
+                                                           # the tables again, from the file, and the reward curves
     python benchmark/real_model.py --smoke                                     # a few minutes
     python benchmark/real_model.py --updates 30 --threads 1                   # the demo's budget (not yet run)
 
@@ -171,7 +172,22 @@ def run_one(spec: dict) -> dict:
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
+def budget(row: dict) -> tuple[int, int, int]:
+    """(updates, held-out prompts, response length): rows of one budget only are compared."""
+    return tuple(row.get(key, FULL[key]) for key in ("updates", "held_out", "response_length"))
+
+
 def summary(rows: list[dict]) -> str:
+    """One table per budget (`budget`), each as `budget_table` makes it."""
+    tables = []
+    for updates, held_out, length in sorted({budget(r) for r in rows}):
+        same = [r for r in rows if budget(r) == (updates, held_out, length)]
+        title = f"{updates} updates of 8 episodes, {held_out} held-out prompts, {length}-token reviews:"
+        tables.append(title + "\n\n" + budget_table(same))
+    return "\n\n".join(tables)
+
+
+def budget_table(rows: list[dict]) -> str:
     """Per config: mean held-out gain, the training score (`objective/scores`) of the first and last 4 updates,
     episodes/s, peak RSS; against `trl`, the paired difference of the held-out gains."""
     gain = {(r["config"], r["seed"]): r["held_out_after"] - r["held_out_before"] for r in rows}
@@ -192,6 +208,34 @@ def summary(rows: list[dict]) -> str:
                      f"{mean([r.get('episodes_per_cpu_second', float('nan')) for r in mine]):.3f} | "
                      f"{mean([r['peak_rss_mib'] for r in mine]):.0f} |")
     return "\n".join(lines)
+
+
+def plot_curves(rows: list[dict], path: str) -> None:
+    """The reward curves: per budget, each config's training score (`objective/scores`) per update, the mean over
+    seeds with a band of one standard error."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted({budget(r) for r in rows})
+    figure, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4), squeeze=False)
+    for axis, (updates, held_out, length) in zip(axes[0], budgets):
+        for name in CONFIGS:
+            curves = [r["scores"] for r in rows if r["config"] == name and budget(r) == (updates, held_out, length)]
+            if not curves:
+                continue
+            steps = range(1, min(map(len, curves)) + 1)
+            means = [mean([c[i - 1] for c in curves]) for i in steps]
+            errors = [standard_error([c[i - 1] for c in curves]) if len(curves) > 1 else 0.0 for i in steps]
+            axis.plot(steps, means, label=f"{name} ({len(curves)} seeds)")
+            axis.fill_between(steps, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
+                              alpha=0.2)
+        axis.set(title=f"{updates} updates of 8 episodes, {length}-token reviews", xlabel="update",
+                 ylabel="mean VADER score of the update's reviews")
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def mean(values: list[float]) -> float:
@@ -217,6 +261,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="append one JSON line per run to this file")
     parser.add_argument("--summarize", default=None, help="print the table of the runs in this JSON-lines file")
+    parser.add_argument("--plot", default=None, help="with --summarize: draw the reward curves into this PNG")
     parser.add_argument("--output_root", default=os.path.join(ROOT, "runs", "real_model"))
     args = parser.parse_args()
     if args.updates is not None and args.updates < 1:
@@ -224,7 +269,10 @@ def main() -> None:
     if serve_worker(args.worker, run_one):
         return
     if args.summarize is not None:
-        print(summary([json.loads(line) for line in open(args.summarize) if line.strip()]))
+        rows = [json.loads(line) for line in open(args.summarize) if line.strip()]
+        print(summary(rows))
+        if args.plot:
+            plot_curves(rows, args.plot)
         return
     model = args.model
     if model is None:

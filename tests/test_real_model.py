@@ -269,7 +269,7 @@ def test_a_reward_model_with_its_own_tokenizer_reads_the_conversation(smollm2_to
 
 # --------------------------------------------------------------------- the benchmark against TRL 1.12 (item 4)
 @pytest.mark.slow
-def test_the_benchmarks_vader_reward_model_scores_the_response_alone(smollm2_tokenizer):
+def test_the_benchmarks_vader_reward_model_scores_the_response_alone(smollm2_tokenizer, tmp_path):
     """TRL 1.12 gets VADER as a module of a reward model's shape: it must score the response after the last
     assistant header, cut at its `<|im_end|>`, whatever TRL's attention mask drops (TRL masks every pad id)."""
     import importlib.util
@@ -292,9 +292,16 @@ def test_the_benchmarks_vader_reward_model_scores_the_response_alone(smollm2_tok
     row = dict(held_out_before=0.1, episodes_per_second=0.1, episodes_per_cpu_second=0.2, peak_rss_mib=100.0)
     rows = [dict(row, config="trl", seed=0, held_out_after=0.2, scores=[0.0] * 4 + [1.0] * 4),
             dict(row, config="trl_ppo", seed=0, held_out_after=0.4, scores=[0.5] * 8)]
-    table = real_model.summary(rows).splitlines()
-    assert table[2].startswith("| trl | 1 | +0.100 -> +0.200 | — | +0.000 -> +1.000 |")
-    assert table[3].startswith("| trl_ppo | 1 | +0.100 -> +0.400 | +0.200 | +0.500 -> +0.500 |")
+    longer = [dict(r, updates=30, held_out_after=r["held_out_after"] + 0.5, scores=[0.25] * 30) for r in rows]
+    table = real_model.summary(rows + longer).splitlines()  # one table per budget, never one of mixed budgets
+    assert table[0] == "12 updates of 8 episodes, 100 held-out prompts, 24-token reviews:"
+    assert table[4].startswith("| trl | 1 | +0.100 -> +0.200 | — | +0.000 -> +1.000 |")
+    assert table[5].startswith("| trl_ppo | 1 | +0.100 -> +0.400 | +0.200 | +0.500 -> +0.500 |")
+    assert table[7] == "30 updates of 8 episodes, 100 held-out prompts, 24-token reviews:"
+    assert table[11].startswith("| trl | 1 | +0.100 -> +0.700 | — | +0.250 -> +0.250 |")
+    assert table[12].startswith("| trl_ppo | 1 | +0.100 -> +0.900 | +0.200 | +0.250 -> +0.250 |")
+    real_model.plot_curves(rows + longer, str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").stat().st_size > 0
 
 
 @pytest.mark.slow
