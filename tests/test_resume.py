@@ -174,7 +174,7 @@ def test_a_checkpoint_with_the_value_head_drawn_names_value_head_init_and_resume
     first.args.num_total_batches = 2  # stopped after update 2, with checkpoint-2 written
     first.train()
     today = make(make_config, tokenizer, load_models, prompt_dataset, shared_head=True, total_episodes=24)
-    with pytest.raises(ValueError, match=r"value_head_init`: checkpoint has 'normal', this run has 'zeros'.*Pass "
+    with pytest.raises(ValueError, match=r"value_head_init`: checkpoint has 'normal', this run has 'zeros'.*pass "
                                          r"`value_head_init='normal'` to resume"):
         today.train(resume_from_checkpoint=True)
     again = make(make_config, tokenizer, load_models, prompt_dataset, shared_head=True, value_head_init="normal",
@@ -191,6 +191,8 @@ def test_a_checkpoint_from_before_value_head_init_existed_is_named_as_such():
     (change,) = value_head_init_change(old, now)
     assert "checkpoint has 'normal' (written before the option existed), this run has 'zeros'" in change
     assert value_head_init_change(old, {**now, "policy_fingerprint": {"checksum": 1.0}}) == []  # same policy
+    # a separate value model: no head was added, so the option cannot explain another policy (it was another model)
+    assert value_head_init_change(old, {**now, "value_model_fingerprint": {"checksum": 5.0}}) == []
 
 
 def test_resume_lists_every_changed_setting_and_the_value_it_uses(

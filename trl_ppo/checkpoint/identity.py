@@ -152,14 +152,17 @@ def identity_differences(saved: dict, current: dict) -> list[str]:
 
 def value_head_init_change(saved: dict, current: dict) -> list[str]:
     """When the initial policies differ and so does `value_head_init` (the value head the trainer adds; a checkpoint
-    written before the option existed had the head drawn, 'normal'), that change, and how to resume."""
+    written before the option existed had the head drawn, 'normal'), that change, and how to resume. Not with a
+    separate value model: no head is added then, so the option cannot be why the policies differ."""
     saved_config, now = saved.get("config", {}), current.get("config", {}).get("value_head_init")
     was = saved_config.get("value_head_init", "normal")
     if now is None or was == now or saved.get("policy_fingerprint") == current.get("policy_fingerprint"):
         return []
+    if current.get("value_model_fingerprint") is not None:
+        return []
     when = "" if "value_head_init" in saved_config else " (written before the option existed)"
     return [f"`value_head_init`: checkpoint has {was!r}{when}, this run has {now!r}: the added value head starts "
-            f"differently. Pass `value_head_init={was!r}` to resume."]
+            f"differently. If the model is the same, pass `value_head_init={was!r}` to resume."]
 
 
 def check_resumable(saved: dict, current: dict, checkpoint: str) -> None:
