@@ -365,6 +365,10 @@ def test_value_head_model_from_a_path_and_from_a_model(gpt2_path):
     wrapped = AutoModelForCausalLMWithValueHead.from_pretrained(base)
     assert wrapped.pretrained_model is base
     assert wrapped.v_head.summary.weight.shape == (1, 32)
+    # no `v_head_init_strategy`: trl 0.11 kept nn.Linear's own init, weight and bias uniform in ±1/sqrt(H)
+    for head in (model.v_head.summary, wrapped.v_head.summary):
+        assert head.weight.abs().max() <= 32**-0.5 and head.bias.abs().item() <= 32**-0.5
+        assert head.bias.item() != 0 and head.weight.std() < 0.8 * 33**-0.5  # not the core's N(0, std 1/sqrt(H+1))
 
 
 def test_value_head_init_strategy_normal_draws_the_head_from_the_given_range(gpt2_path):

@@ -359,3 +359,25 @@ def test_the_legacy_sentiment_example_runs_the_cli_examples_settings():
     assert example.response_length == args.response_length
     assert example.lr_scheduler_type == "linear" and example.warmup_steps == 0  # the script's LinearLR to 0
     assert example.value_head_init == args.value_head_init
+
+
+def test_the_legacy_sentiment_examples_value_heads_in_trl_011s_terms(model_paths):
+    """`--value_head_init zeros` is trl 0.11's `v_head_init_strategy="normal"` with a range of 0 (a head of zeros);
+    `normal` is the core's drawn head, bit for bit (the legacy rows of RESULTS.md measured with it stay reproducible
+    although a legacy head without a strategy now starts as trl 0.11's did)."""
+    from trl_ppo.legacy import AutoModelForCausalLMWithValueHead
+    from trl_ppo.value_head import ValueHead
+
+    script = load_example_script("sentiment_legacy")
+    path = next(iter(model_paths.values()))[0]
+    args = script.parse_args(["--model", path])
+    assert script.head_options(args) == {"v_head_init_strategy": "normal", "v_head_initializer_range": 0.0}
+    zeros = AutoModelForCausalLMWithValueHead.from_pretrained(path, **script.head_options(args))
+    assert not zeros.v_head.summary.weight.any() and not zeros.v_head.summary.bias.any()
+    args = script.parse_args(["--model", path, "--value_head_init", "normal"])
+    drawn = AutoModelForCausalLMWithValueHead.from_pretrained(path, **script.head_options(args))
+    core = ValueHead(drawn.v_head.summary.in_features)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the legacy head's seed
+        core.reset_parameters("normal")
+    assert torch.equal(drawn.v_head.summary.weight, core.summary.weight) and not drawn.v_head.summary.bias.any()

@@ -60,14 +60,20 @@ def ppo_config(args) -> PPOConfig:
                      critic_warmup_steps=args.critic_warmup_steps, seed=args.seed)
 
 
+def head_options(args) -> dict:
+    """The new value head in trl 0.11's own terms: a std of 0 is a head of zeros (`value_head_init: zeros` in the
+    trl-ppo example); 'normal' is trl_ppo's drawn head, std 1/sqrt(H+1) (the rows of RESULTS.md that say so)."""
+    from transformers import AutoConfig
+
+    std = 0.0 if args.value_head_init == "zeros" else (AutoConfig.from_pretrained(args.model).hidden_size + 1) ** -0.5
+    return {"v_head_init_strategy": "normal", "v_head_initializer_range": std}
+
+
 def make_trainer(args, tokenizer, train_rows) -> PPOTrainer:
     """The notebook's trainer: a value-head model, a frozen reference copy, the dataset and its collator; plus the
     optimizer and its linear decay (trl 0.11's `optimizer` and `lr_scheduler` arguments)."""
     config = ppo_config(args)
-    # trl 0.11's own head options: N(0, 0) is a head of zeros (`value_head_init: zeros` in the trl-ppo example)
-    zeros = args.value_head_init == "zeros"
-    head = {"v_head_init_strategy": "normal", "v_head_initializer_range": 0.0} if zeros else {}
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(args.model, **head)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(args.model, **head_options(args))
     ref_model = create_reference_model(model)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate)
     decay = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.0, total_iters=args.steps)
@@ -110,7 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--critic_warmup_steps", type=int, default=5)
     parser.add_argument("--value_head_init", choices=("normal", "zeros"), default="zeros",
-                        help="the new value head's weights: N(0, 1/(H+1)), or zeros (values 0 until it learns)")
+                        help="the new value head's weights: N(0, 1/(H+1)) (the core's 'normal'), or zeros (values 0 until it "
+                        "learns)")
     parser.add_argument("--held_out", type=int, default=18, help="the last N prompts, never trained on (those of "
                         "the `trl-ppo` example's evaluation)")
     parser.add_argument("--response_length", type=int, default=32)

@@ -59,10 +59,10 @@ class AutoModelForCausalLMWithValueHead(core.AutoModelForCausalLMWithValueHead):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """A hub name, a local folder (also one written by trl 0.11, whose `v_head.*` weights are read), or a
-        causal LM. `v_head_init_strategy="normal"` with `v_head_initializer_range` (default 0.2) initialises a
-        new head from N(0, range) as trl 0.11 did. `reward_adapter` (with `peft_config`, or a PEFT model): a
-        reward model's adapter loaded beside the policy's, as `reward_adapter_name` (`compute_reward_score`).
-        Other kwargs go to `AutoModelForCausalLM.from_pretrained`."""
+        causal LM. A new head starts as trl 0.11's did (seeded here): `v_head_init_strategy=None`, `nn.Linear`'s
+        own init; `"normal"` with `v_head_initializer_range` (default 0.2), weights with that std and bias 0.
+        `reward_adapter` (with `peft_config`, or a PEFT model): a reward model's adapter loaded beside the policy's,
+        as `reward_adapter_name` (`compute_reward_score`). Other kwargs go to `AutoModelForCausalLM.from_pretrained`."""
         head_kwargs = {name: kwargs.pop(name) for name in _HEAD_KWARGS if name in kwargs}
         reward_adapter = kwargs.pop("reward_adapter", None)
         reward_adapter_name = kwargs.pop("reward_adapter_name", "reward_adapter")
@@ -86,8 +86,8 @@ class AutoModelForCausalLMWithValueHead(core.AutoModelForCausalLMWithValueHead):
                 if strategy == "normal":
                     nn.init.normal_(model.v_head.summary.weight, std=head_kwargs.get("v_head_initializer_range", 0.2))
                     nn.init.zeros_(model.v_head.summary.bias)
-                else:
-                    model.v_head.reset_parameters()
+                else:  # trl 0.11 left `nn.Linear`'s own init: weight and bias uniform in ±1/sqrt(H)
+                    model.v_head.summary.reset_parameters()
         return model
 
     @property
