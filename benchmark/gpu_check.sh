@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# One round of GPU checks on the machine that the `device` tool lends (written for the H200; runs on an H100 too):
+# about 6 minutes, never more than 8.5 (every step has its own time limit, and all of them share one deadline).
+#   here, once:   bash benchmark/fetch_wheels.sh                 (-> .whl/: TRL 1.12 and what the GPU image lacks)
+#   device tool:  run(command="GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   where <sha> is `git rev-parse HEAD` here, with "+dirty" when the working tree that travels has uncommitted changes
+#   (.git may not travel; without GIT_COMMIT the rows say "unknown" unless `git rev-parse HEAD` works there).
+# Steps, in this order; each is guarded (a failure or a timeout is reported as "=== [step] FAILED" and the next step
+# runs), and everything printed is also written to $OUT/log.txt:
+#   1. the GPU, the torch/transformers/accelerate versions and the commit (GIT_COMMIT, else `git rev-parse HEAD`)
+#   2. benchmark/bench_ppo.py: shapes 160m and 1b, bf16, trl_ppo (train_forward_batch_size=64) and TRL 1.12
+#      alternated as in benchmark/run_gpu.sh, 3 measured updates; the rows, each named with the commit, are appended
+#      to benchmark/results_h200.jsonl (one bench_ppo.py call per row, so that a timeout loses one row at most),
+#      copied to $OUT, and the speed table of this round is printed
+#   3. benchmark/gpu_sampling.py: sampling alone: 1b bf16, 64 prompts, each generation backend: $OUT/sampling_h200.jsonl
+#   4. the `trl-ppo` default job (`make demo`) on CUDA in bf16: does it finish, and its last metrics
+# Plumbing check on a CPU (tiny shapes, a short demo; writes under /tmp only):
+#   GPU_CHECK_SMOKE=1 PYTHON=.venv/bin/python bash benchmark/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+
+PYTHON="${PYTHON:-python3}"
+SMOKE="${GPU_CHECK_SMOKE:-0}"
+DEADLINE="${GPU_CHECK_SECONDS:-480}"  # seconds after the start; no step runs past it (+15 s to kill a stuck one)
+if [ "$SMOKE" = 1 ]; then
+    OUT=/tmp/gpu_check_smoke RESULTS=/tmp/gpu_check_smoke_results.jsonl
+    SHAPES="tiny" UPDATES=1
+    SAMPLING_ARGS=(--shape tiny --batch 8 --backends kv_cache compiled --warmup 1 --repeats 1)
+    DEMO_ARGS=(--total_episodes 64 --use_cpu true)
+    rm -rf "$OUT" "$RESULTS"
+else
+    RESULTS=benchmark/results_h200.jsonl
+    SHAPES="160m 1b" UPDATES=3
+    SAMPLING_ARGS=(--shape 1b --batch 64)
+    DEMO_ARGS=(--use_cpu false)
+fi
+OUT="${OUT:-/tmp/gpu_check_out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRL_PPO_RESULTS="$RESULTS"
+FAILED=()
+
+# step NAME LIMIT COMMAND...: run COMMAND for at most LIMIT seconds (less if the deadline is nearer), say how it went.
+step() {
+    local name=$1 limit=$2 left=$((DEADLINE - SECONDS)) start=$SECONDS status=0
+    shift 2
+    if ((left < limit)); then limit=$left; fi
+    if ((limit < 10)); then
+        echo "=== [$name] FAILED: skipped, the ${DEADLINE} s deadline is reached"
+        FAILED+=("$name (skipped)")
+        return
+    fi
+    echo "=== [$name] start $(date +%T), limit ${limit} s: $*"
+    timeout -k 15 "$limit" "$@" || status=$?
+    if ((status == 0)); then
+        echo "=== [$name] ok, $((SECONDS - start)) s"
+    elif ((status == 124 || status == 137)); then
+        echo "=== [$name] FAILED: timed out after ${limit} s"
+        FAILED+=("$name (timeout)")
+    else
+        echo "=== [$name] FAILED: exit status $status, after $((SECONDS - start)) s"
+        FAILED+=("$name (exit $status)")
+    fi
+}
+
+main() {
+    # 0. TRL 1.12 and its missing dependencies, from the wheels that travel in .whl/
+    if [ "$SMOKE" != 1 ] && [ -d .whl ]; then
+        step install-wheels 90 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target /tmp/site .whl/*.whl
+        export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    fi
+
+    # 1. machine, versions, commit
+    if [ -z "${GIT_COMMIT:-}" ]; then
+        GIT_COMMIT=$(git rev-parse HEAD 2>/dev/null) && [ -n "$(git status --porcelain -uno 2>/dev/null)" ] &&
+            GIT_COMMIT="$GIT_COMMIT+dirty"
+    fi
+    export GIT_COMMIT="${GIT_COMMIT:-unknown}"
+    echo "commit: $GIT_COMMIT"
+    step nvidia-smi 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    step versions 60 "$PYTHON" -c "import torch, transformers, accelerate; print('torch', torch.__version__, \
+'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name(), \
+'| transformers', transformers.__version__, '| accelerate', accelerate.__version__)"
+
+    # 2. trl_ppo and TRL side by side; rows appended to $RESULTS
+    local before trainers=(trl_ppo trl)
+    before=$( (cat "$RESULTS" 2>/dev/null || true) | wc -l)
+    if ! "$PYTHON" -c "import trl; assert trl.__version__ == '1.12.0', trl.__version__" 2>/dev/null; then
+        echo "=== [bench] FAILED: TRL 1.12.0 is not importable (no .whl/?): trl_ppo rows only"
+        FAILED+=("bench-trl (TRL 1.12.0 missing)")
+        trainers=(trl_ppo)
+    fi
+    for shape in $SHAPES; do
+        for trainer in "${trainers[@]}"; do
+            step "bench $shape bf16 $trainer" "$([ "$shape" = 1b ] && echo 150 || echo 120)" \
+                "$PYTHON" benchmark/bench_ppo.py --shape "$shape" --precision bf16 --updates "$UPDATES" \
+                --trainers "$trainer" --trl_ppo_flags train_forward_batch_size=64 --results "$RESULTS"
+        done
+    done
+    step bench-commit-and-table 60 "$PYTHON" - "$before" <<'EOF'
+import json, os, sys
+sys.path.insert(0, "benchmark")
+import bench_ppo
+path, before = os.environ["TRL_PPO_RESULTS"], int(sys.argv[1])
+rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+for row in rows[before:]:
+    row.setdefault("commit", os.environ["GIT_COMMIT"])
+with open(path, "w") as handle:
+    handle.writelines(json.dumps(row) + "\n" for row in rows)
+print(f"{len(rows) - before} rows of this round in {path}:")
+print(bench_ppo.speed_table(rows[before:]) if rows[before:] else "(none)")
+EOF
+    cp "$RESULTS" "$OUT/" 2>/dev/null || echo "(no $RESULTS to copy)"
+
+    # 3. sampling alone, every backend
+    step sampling 150 "$PYTHON" benchmark/gpu_sampling.py --precision bf16 "${SAMPLING_ARGS[@]}" \
+        --results "$OUT/sampling_h200.jsonl"
+    if [ -f "$OUT/sampling_h200.jsonl" ]; then  # name the commit, as the bench rows do
+        sed -i "s/}\$/, \"commit\": \"$GIT_COMMIT\"}/" "$OUT/sampling_h200.jsonl"
+    fi
+
+    # 4. the default job on the GPU in bf16
+    rm -rf /tmp/gpu_check_demo
+    step demo 120 "$PYTHON" -m trl_ppo train --output_dir /tmp/gpu_check_demo --bf16 true --disable_tqdm true \
+        "${DEMO_ARGS[@]}"
+    step demo-metrics 30 "$PYTHON" -c "import json; history = json.load(open('/tmp/gpu_check_demo/trainer_state.json'))\
+['log_history']; print('log entries:', len(history)); print('last metrics:', \
+json.dumps([h for h in history if 'objective/scores' in h][-1]))"
+
+    echo
+    echo "=== done in $SECONDS s; commit $GIT_COMMIT; results: $RESULTS, $OUT/sampling_h200.jsonl"
+    if ((${#FAILED[@]})); then
+        printf '=== FAILED steps: %s\n' "${FAILED[@]}"
+        return 1
+    fi
+    echo "=== all steps ok"
+}
+
+main 2>&1 | tee "$OUT/log.txt"
+exit "${PIPESTATUS[0]}"
