@@ -228,9 +228,10 @@ def plot_curves(rows: list[dict], path: str) -> None:
             steps = range(1, min(map(len, curves)) + 1)
             means = [mean([c[i - 1] for c in curves]) for i in steps]
             errors = [standard_error([c[i - 1] for c in curves]) if len(curves) > 1 else 0.0 for i in steps]
-            axis.plot(steps, means, label=f"{name} ({len(curves)} seeds)")
+            color = f"C{CONFIGS.index(name)}"  # one colour per config in every panel
+            axis.plot(steps, means, color=color, label=f"{name} ({len(curves)} seeds)")
             axis.fill_between(steps, [m - e for m, e in zip(means, errors)], [m + e for m, e in zip(means, errors)],
-                              alpha=0.2)
+                              color=color, alpha=0.2)
         axis.set(title=f"{updates} updates of 8 episodes, {length}-token reviews", xlabel="update",
                  ylabel="mean VADER score of the update's reviews")
         axis.legend(fontsize=8)
