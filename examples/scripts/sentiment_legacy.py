@@ -116,8 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--critic_warmup_steps", type=int, default=5)
     parser.add_argument("--value_head_init", choices=("normal", "zeros"), default="zeros",
-                        help="the new value head's weights: N(0, 1/(H+1)) (the core's 'normal'), or zeros (values 0 until it "
-                        "learns)")
+                        help="the new value head's weights: N(0, 1/(H+1)) (the core's 'normal'), or zeros (values 0 "
+                        "until it learns)")
     parser.add_argument("--held_out", type=int, default=18, help="the last N prompts, never trained on (those of "
                         "the `trl-ppo` example's evaluation)")
     parser.add_argument("--response_length", type=int, default=32)
