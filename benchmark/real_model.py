@@ -7,7 +7,7 @@ checkpoints activations (its `gradient_checkpointing=True`) and trl_ppo does not
     python benchmark/real_model.py --summarize benchmark/real_model.jsonl --plot benchmark/real_model.png
                                                            # the tables again, from the file, and the reward curves
     python benchmark/real_model.py --smoke                                     # a few minutes
-    python benchmark/real_model.py --updates 30 --threads 1                   # the demo's budget (not yet run)
+    python benchmark/real_model.py --updates 30 --threads 1                   # the demo's budget (RESULTS.md)
 
 Trainers ("configs"): `trl` (TRL 1.12, a separate value model initialised from the policy's weights, as TRL's
 example does with its reward model), `trl_ppo` (the same separate value model), `trl_ppo-value-head`
@@ -172,19 +172,22 @@ def run_one(spec: dict) -> dict:
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
-def budget(row: dict) -> tuple[int, int, int]:
-    """(updates, held-out prompts, response length): rows of one budget only are compared."""
-    return tuple(row.get(key, FULL[key]) for key in ("updates", "held_out", "response_length"))
+def by_budget(rows: list[dict]) -> dict[tuple[int, int, int], list[dict]]:
+    """{(updates, held-out prompts, response length): its rows}, in that order: rows of one budget only compare."""
+    groups = {}
+    for row in rows:
+        key = tuple(row.get(name, FULL[name]) for name in ("updates", "held_out", "response_length"))
+        groups.setdefault(key, []).append(row)
+    return dict(sorted(groups.items()))
 
 
 def summary(rows: list[dict]) -> str:
-    """One table per budget (`budget`), each as `budget_table` makes it."""
-    tables = []
-    for updates, held_out, length in sorted({budget(r) for r in rows}):
-        same = [r for r in rows if budget(r) == (updates, held_out, length)]
-        title = f"{updates} updates of 8 episodes, {held_out} held-out prompts, {length}-token reviews:"
-        tables.append(title + "\n\n" + budget_table(same))
-    return "\n\n".join(tables)
+    """One table per budget (`by_budget`), each as `budget_table` makes it."""
+    return "\n\n".join(
+        f"{updates} updates of 8 episodes, {held_out} held-out prompts, {length}-token reviews:\n\n"
+        + budget_table(same)
+        for (updates, held_out, length), same in by_budget(rows).items()
+    )
 
 
 def budget_table(rows: list[dict]) -> str:
@@ -218,11 +221,11 @@ def plot_curves(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    budgets = sorted({budget(r) for r in rows})
+    budgets = by_budget(rows)
     figure, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4), squeeze=False)
-    for axis, (updates, held_out, length) in zip(axes[0], budgets):
+    for axis, ((updates, _, length), same) in zip(axes[0], budgets.items()):
         for name in CONFIGS:
-            curves = [r["scores"] for r in rows if r["config"] == name and budget(r) == (updates, held_out, length)]
+            curves = [r["scores"] for r in same if r["config"] == name]
             if not curves:
                 continue
             steps = range(1, min(map(len, curves)) + 1)
