@@ -256,6 +256,18 @@ def test_a_chat_template_that_rewrites_earlier_turns_is_refused(tool_tokenizer):
         ToolChat(tokenizer, schemas(toolbox([multiply])), tokenizer.eos_token_id)
 
 
+@needs_tool_parsing
+def test_a_chat_template_that_drops_earlier_think_blocks_is_refused(tool_tokenizer):
+    """A template that keeps a turn's `<think>` block only while it is the last turn renders plain turns unchanged:
+    the check probes turns that think too (issue 34)."""
+    content = "{{ message.content or '' }}"
+    dropping = CHAT_TEMPLATE.replace(content, f"{{% if loop.last %}}{content}{{% else %}}"
+                                              "{{ (message.content or '').split('</think>')[-1] }}{% endif %}")
+    tokenizer = _with(tool_tokenizer, chat_template=dropping)
+    with pytest.raises(ValueError, match="is not prefix-preserving: rendering a longer conversation changes"):
+        ToolChat(tokenizer, schemas(toolbox([multiply])), tokenizer.eos_token_id)
+
+
 def test_an_old_transformers_parsing_api_is_refused_naming_the_version(tool_tokenizer):
     class OldTokenizer(type(tool_tokenizer)):
         def parse_response(self, response, schema=None):  # transformers 5.3: `response_schema`, no `prefix`

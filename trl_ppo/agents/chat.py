@@ -18,10 +18,12 @@ from dataclasses import dataclass
 
 import transformers
 
+from . import templates
 from .execution import ToolCall, ToolResult
 
 TESTED_TRANSFORMERS = "5.24"
-_PROBE_ARGUMENT = "probe-7"  # a string a template renders verbatim, to find the tool answer in the rendering
+_PROBE_ARGUMENT = "probe-7"  # a string a template renders verbatim, to find the tool call in the rendering
+_THINK = "<think>\nProbe reasoning.\n</think>\n\n"  # a thinking model's turn opens with one
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,15 @@ class ToolChat:
                 "(or `stop_token_id`) in the config. A turn without one cannot be told from one cut by the budget."
             )
         self.stop_text = tokenizer.decode([stop_token_id])
-        self._check_template()
+        self.chat_template, probes = self._usable_chat_template()
+        self.response_template, source = templates.response_template(tokenizer)
+        if self.response_template is None:
+            raise ValueError(
+                "Tools need the tokenizer to parse tool calls, and it has no `response_template`: set "
+                "`tokenizer.response_template` (transformers' response-template dict: `start_anchor` and `fields` "
+                f"with a `tool_calls` field) to one matching its chat template ({source})."
+            )
+        self._check_parsing(probes, source)
 
     # ------------------------------------------------------------------------------------------ parsing
     def parse_tool_calls(self, response_ids: list[int], prefix_ids: list[int]) -> tuple[list[ToolCall], bool]:
@@ -54,7 +64,9 @@ class ToolChat:
         `prefix_ids` (the prompt and earlier turns) -> (calls, whether the turn's tool-call markup failed to
         parse: then the model is told, as a failed call)."""
         try:
-            message = self.tokenizer.parse_response(response_ids, prefix=prefix_ids, tools=self.tools)
+            message = self.tokenizer.parse_response(
+                response_ids, self.response_template, prefix=prefix_ids, tools=self.tools
+            )
         except (ValueError, KeyError, TypeError):  # markup the response template cannot read
             return [], True
         calls = []
@@ -84,58 +96,106 @@ class ToolChat:
         after = self._render(base + tool_messages, add_generation_prompt=True)
         return after[before.rindex(self.stop_text) + len(self.stop_text) :]
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False, template: str | None = None) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=self.tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=template or self.chat_template,
         )
 
     # ------------------------------------------------------------------------------------------- checks
-    def _check_template(self) -> None:
+    def _usable_chat_template(self) -> tuple[str, list[str]]:
+        """(the tokenizer's chat template when it passes `_check_template`, else the training-safe copy of it from
+        TRL's registry when there is one that passes (with a warning); the probe's renderings with it). Else the
+        refusal of the tokenizer's own."""
+        own = getattr(self.tokenizer, "chat_template", None)
+        if own is None:
+            raise TemplateProblem("has no chat template")
+        try:
+            return own, self._check_template(own)
+        except TemplateProblem as problem:
+            safe, note = templates.training_chat_template(self.tokenizer)
+            if safe is not None and safe != own:
+                try:
+                    probes = self._check_template(safe)
+                except TemplateProblem:
+                    pass  # the refusal names the problem of the tokenizer's own template
+                else:
+                    templates.swapped_warning(problem.what)
+                    return safe, probes
+            raise TemplateProblem(problem.what, note) from None
+
+    def _check_template(self, template: str) -> list[str]:
         """Refuse a chat template that cannot show the tools, the model's calls and the tool answers, or that
-        rewrites earlier turns when a later one is added (its tool answers could not be appended as ids)."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(_template_problem("has no chat template"))
-        name = self.tools[0]["function"]["name"] if self.tools else "probe_tool"
-        call = {"type": "function", "function": {"name": name, "arguments": {"x": _PROBE_ARGUMENT}}}
-        user = {"role": "user", "content": "Question?"}
-        assistant = {"role": "assistant", "content": "Let me check.", "tool_calls": [call]}
-        tool = {"role": "tool", "name": name, "content": "Answer-42"}
-        turns = [[user], [user, assistant], [user, assistant, tool], [user, assistant, tool, assistant]]
-        rendered = [self._render(turns[0], True), self._render(turns[1])]
-        rendered += [self._render(turns[2], True), self._render(turns[3])]
-        if self.tools and name not in self._render([user]):
-            raise ValueError(_template_problem("does not show the tools (`apply_chat_template(..., tools=...)`)"))
-        if _PROBE_ARGUMENT not in rendered[1] or self.stop_text not in rendered[1]:
-            raise ValueError(
-                _template_problem(f"does not render an assistant's `tool_calls` followed by {self.stop_text!r}")
-            )
-        if "Answer-42" not in rendered[2]:
-            raise ValueError(_template_problem("does not render messages of role 'tool'"))
-        for shorter, longer in zip(rendered, rendered[1:]):
-            if not longer.startswith(shorter):
-                raise ValueError(
-                    _template_problem(
-                        "is not prefix-preserving: rendering a longer conversation changes the text of earlier "
-                        "turns (as templates that drop earlier `<think>` blocks do), so the tokens of a multi-turn "
-                        "episode would not be the ones the model saw"
-                    )
+        rewrites earlier turns when a later one is added (its tool answers could not be appended as ids). Probed
+        with the model's turns written plainly, and with a `<think>` block (templates that drop earlier `<think>`
+        blocks pass the first), unless the generation prompt already closes one (thinking turned off)."""
+        plain, generation_prompt = self._probe_render(template, "")
+        if self.tools and self.tools[0]["function"]["name"] not in plain[0]:
+            raise TemplateProblem("does not show the tools (`apply_chat_template(..., tools=...)`)")
+        rendered = [plain] + ([] if "</think>" in generation_prompt else [self._probe_render(template, _THINK)[0]])
+        for texts in rendered:
+            turn = texts[1][len(texts[0]) :]
+            if _PROBE_ARGUMENT not in turn or self.stop_text not in turn:
+                raise TemplateProblem(f"does not render an assistant's `tool_calls` followed by {self.stop_text!r}")
+            if "Answer-420" not in texts[2]:
+                raise TemplateProblem("does not render messages of role 'tool'")
+            if any(not longer.startswith(shorter) for shorter, longer in zip(texts, texts[1:])):
+                raise TemplateProblem(
+                    "is not prefix-preserving: rendering a longer conversation changes the text of earlier turns (as "
+                    "templates that drop earlier `<think>` blocks do), so the tokens of a multi-turn episode would not "
+                    "be the ones the model saw"
                 )
-        calls, failed = self.parse_tool_calls(
-            self.tokenizer.encode(rendered[1][len(rendered[0]) :], add_special_tokens=False),
-            self.tokenizer.encode(rendered[0], add_special_tokens=False),
-        )
-        if failed or [c.name for c in calls] != [name]:
-            raise ValueError(
-                f"The tokenizer's `response_template` does not read back the tool call its chat template writes "
-                f"(parsed {calls!r}): make the two agree."
+        return plain
+
+    def _probe_render(self, template: str, thought: str) -> tuple[list[str], str]:
+        """(the renderings of a probe episode, one per step: the prompt, a turn calling a tool, its answer and the
+        next prompt, a second such turn and answer; the text the generation prompt adds). The final answer is left
+        out: an episode appends nothing after it, so a template may rewrite earlier turns then (gpt-oss drops their
+        analysis)."""
+        name = self.tools[0]["function"]["name"] if self.tools else "probe_tool"
+        messages, texts = [{"role": "user", "content": "Question?"}], []
+        try:
+            texts.append(self._render(messages, True, template))
+            generation_prompt = texts[0][len(self._render(messages, False, template)) :]
+            for step, content in enumerate(("Let me check.", "Once more.")):
+                call = {"type": "function", "function": {"name": name, "arguments": {"x": f"{_PROBE_ARGUMENT}{step}"}}}
+                messages.append({"role": "assistant", "content": thought + content, "tool_calls": [call]})
+                texts.append(self._render(messages, False, template))
+                messages.append({"role": "tool", "name": name, "content": f"Answer-42{step}"})
+                texts.append(self._render(messages, True, template))
+        except Exception as error:  # jinja's TemplateError, or a template that cannot take dict arguments
+            raise TemplateProblem(f"cannot render a conversation with tool calls ({type(error).__name__}: {error})")
+        return texts, generation_prompt
+
+    def _check_parsing(self, texts: list[str], source: str) -> None:
+        """Refuse a `response_template` that does not read back the tool calls the chat template writes, in the
+        first turn and in one after a tool answer."""
+        name = self.tools[0]["function"]["name"] if self.tools else "probe_tool"
+        for before, after in ((texts[0], texts[1]), (texts[2], texts[3])):
+            calls, failed = self.parse_tool_calls(
+                self.tokenizer.encode(after[len(before) :], add_special_tokens=False),
+                self.tokenizer.encode(before, add_special_tokens=False),
             )
+            if failed or [c.name for c in calls] != [name]:
+                raise ValueError(
+                    f"The tool-call parser ({source}) does not read back the tool call the chat template writes "
+                    f"(parsed {calls!r}): make the two agree."
+                )
 
 
-def _template_problem(what: str) -> str:
-    return (
-        f"Tools need a chat template that renders tool calls and tool answers; this tokenizer's chat template {what}. "
-        "Set `tokenizer.chat_template` to one that does (for example the one of a tool-calling model)."
-    )
+class TemplateProblem(ValueError):
+    """A chat template that cannot be used with tools: `what` it does wrong, and a `note` on what may fix it."""
+
+    def __init__(self, what: str, note: str = "") -> None:
+        self.what = what
+        super().__init__(
+            f"Tools need a chat template that renders tool calls and tool answers; this tokenizer's chat template "
+            f"{what}. Set `tokenizer.chat_template` to one that does (for example the one of a tool-calling model)."
+            f"{note}"
+        )
 
 
 def has_parsing_api(tokenizer_class) -> bool:
@@ -145,17 +205,10 @@ def has_parsing_api(tokenizer_class) -> bool:
 
 
 def check_parsing_api(tokenizer) -> None:
-    """Refuse a transformers without the `parse_response(..., prefix=...)` API, or a tokenizer without a
-    `response_template` for it, naming what to install or set."""
+    """Refuse a transformers without the `parse_response(..., prefix=...)` API, naming the version to install."""
     if not has_parsing_api(type(tokenizer)):
         raise ImportError(
             f"Tools parse the model's tool calls with `tokenizer.parse_response(..., prefix=...)` and a "
             f"`response_template`, which transformers {transformers.__version__} does not have: install "
             f"transformers>={TESTED_TRANSFORMERS}."
-        )
-    if getattr(tokenizer, "response_template", None) is None:
-        raise ValueError(
-            "Tools need the tokenizer to parse tool calls, and it has no `response_template`: set "
-            "`tokenizer.response_template` (transformers' response-template dict: `start_anchor` and `fields` "
-            "with a `tool_calls` field) to one matching its chat template."
         )

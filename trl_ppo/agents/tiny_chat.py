@@ -44,6 +44,16 @@ RESPONSE_TEMPLATE = {
 def build_tool_tokenizer():
     """A `PreTrainedTokenizerFast` of the 256 bytes and `SPECIAL` (pad `<|endoftext|>`, eos `<|im_end|>`), left
     padding, with `CHAT_TEMPLATE` and `RESPONSE_TEMPLATE`."""
+    tokenizer = build_byte_tokenizer(SPECIAL, eos_token=SPECIAL[2], pad_token=SPECIAL[0])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    return tokenizer
+
+
+def build_byte_tokenizer(special_tokens: list[str], eos_token: str, pad_token: str | None = None, bos_token=None):
+    """A `PreTrainedTokenizerFast` of the 256 bytes (any text encodes and decodes back exactly) and
+    `special_tokens` (one id each: a model family's markup tokens), left padding, no chat template: offline
+    stand-ins for the tokenizers of real model families."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,9 +62,9 @@ def build_tool_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, padding_side="left", pad_token=SPECIAL[0], eos_token=SPECIAL[2]
+        tokenizer_object=backend, padding_side="left", pad_token=pad_token or eos_token, eos_token=eos_token,
+        bos_token=bos_token,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL[1:2]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.response_template = RESPONSE_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in special_tokens if t not in
+                                                                (pad_token, eos_token, bos_token)]})
     return tokenizer

@@ -1,0 +1,130 @@
+"""Stock model families without a hand-written parser (issue 34, part 2): each family's own chat template (TRL's
+copy of it, `trl.chat_template_utils`), on an offline byte-level tokenizer with the family's markup tokens and no
+`response_template`. A scripted tool call written as the template writes it is parsed, run and answered."""
+
+import copy
+import logging
+import sys
+
+import pytest
+from conftest import needs_tool_parsing
+
+from trl_ppo.agents.chat import ToolChat
+from trl_ppo.agents.tiny_chat import build_byte_tokenizer
+from trl_ppo.agents.tools import schemas, toolbox
+from trl_ppo.agents.turn_loop import Episode, run_turns
+
+registry = pytest.importorskip("trl.chat_template_utils", reason="the `templates` extra (trl) is not installed")
+pytestmark = needs_tool_parsing
+
+CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3 = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
+DEEPSEEK = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
+            "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>",
+            "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"]
+
+# family (the name of its stock template in TRL's registry): its markup tokens, the token ending a turn of the
+# model (the stop token: `stop_token_id` in the config; EOS of these checkpoints but gpt-oss's), BOS.
+FAMILIES = {
+    "qwen2_5": (CHATML, "<|im_end|>", None),
+    "qwen3": (CHATML, "<|im_end|>", None),
+    "qwen3_instruct_2507": (CHATML, "<|im_end|>", None),
+    "qwen3_5_think": (CHATML, "<|im_end|>", None),
+    "qwen3_5_nothink": (CHATML, "<|im_end|>", None),
+    "qwen3_6": (CHATML, "<|im_end|>", None),
+    "qwen3_8": (CHATML, "<|im_end|>", None),
+    "llama3_1": (LLAMA3, "<|eot_id|>", "<|begin_of_text|>"),
+    "llama3_2": (LLAMA3, "<|eot_id|>", "<|begin_of_text|>"),
+    "gptoss": (HARMONY, "<|call|>", None),  # its EOS `<|return|>` ends a final answer; a tool call ends `<|call|>`
+    "gemma3": (["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>", "<bos>"),
+    "phi3_5": (["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"], "<|end|>", None),
+    "deepseekv3": (DEEPSEEK, "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
+}
+SWAPPED = {"qwen3"}  # stock templates that rewrite earlier turns: the registry's training-safe copy is used
+# Families whose stock template cannot carry tools here, and why (the refusal says so, naming what to set).
+REFUSED = {
+    "gemma3": "cannot render a conversation with tool calls",  # no tool role, no tool calls
+    "phi3_5": "does not show the tools",  # nor tool calls, nor tool messages
+    "deepseekv3": "cannot render a conversation with tool calls",  # string arguments only; no parser in the registry
+}
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor.
+        b: the second factor.
+    """
+    return a * b
+
+
+TOOLS = toolbox([multiply])
+
+
+def family_tokenizer(family: str):
+    special, stop, bos = FAMILIES[family]
+    tokenizer = build_byte_tokenizer(special, eos_token=stop, bos_token=bos)
+    tokenizer.chat_template = getattr(registry, f"{family}_chat_template")
+    return tokenizer
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in REFUSED])
+def test_a_stock_familys_tool_call_is_parsed_run_and_answered_with_no_parser_set(family, caplog):
+    tokenizer = family_tokenizer(family)
+    stock = tokenizer.chat_template
+    with caplog.at_level(logging.WARNING):
+        chat = ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
+    assert (chat.chat_template != stock) == (family in SWAPPED)
+    assert ("training-safe copy" in caplog.text) == (family in SWAPPED)
+    assert tokenizer.chat_template == stock and getattr(tokenizer, "response_template", None) is None  # untouched
+
+    def render(messages, **kwargs):
+        text = tokenizer.apply_chat_template(
+            messages, tools=schemas(TOOLS), tokenize=False, chat_template=chat.chat_template, **kwargs
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    user = {"role": "user", "content": "What is 6 times 7?"}
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+    calling = {"role": "assistant", "content": "", "tool_calls": [call]}
+    prompt = render([user], add_generation_prompt=True)
+    written = render([user, calling])[len(prompt) :]  # the call as the family's template writes it
+    turn = written[: written.index(tokenizer.eos_token_id) + 1]  # the model stops at its stop token
+    final = tokenizer.encode("It is 42.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    turns = [turn, final]
+    played = run_turns([Episode(prompt, TOOLS)], lambda contexts, n: [turns.pop(0)], chat, max_turns=3, budget=600)
+    episode = played[0]
+    assert episode.tool_calls == 1 and episode.tool_errors == 0 and episode.turns == 2 and not episode.truncated
+    answered = render([user, calling, {"role": "tool", "name": "multiply", "content": "42"}], add_generation_prompt=True)
+    assert episode.context == answered + final  # token in, token out: the family's own rendering, ids for ids
+    assert episode.model_mask == [True] * len(turn) + [False] * (len(answered) - len(prompt) - len(turn)) + [
+        True
+    ] * len(final)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_a_stock_family_that_cannot_carry_tools_is_refused_saying_why(family):
+    tokenizer = family_tokenizer(family)
+    with pytest.raises(ValueError, match=REFUSED[family]):
+        ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
+
+
+def test_without_the_templates_extra_the_refusal_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)  # as if trl were not installed
+    tokenizer = family_tokenizer("qwen2_5")
+    with pytest.raises(ValueError, match=r"has no `response_template`.*pip install 'trl_ppo\[templates\]'"):
+        ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
+    tokenizer = family_tokenizer("qwen3")
+    with pytest.raises(ValueError, match=r"not prefix-preserving.*pip install 'trl_ppo\[templates\]'"):
+        ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
+
+
+def test_a_template_the_registry_does_not_know_keeps_the_refusal_naming_what_to_set():
+    tokenizer = family_tokenizer("qwen2_5")
+    tokenizer.chat_template = tokenizer.chat_template.replace("You are Qwen", "You are a bot")
+    with pytest.raises(ValueError, match="set `tokenizer.response_template`.*registry .*does not know this one"):
+        ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
+    tokenizer.response_template = copy.deepcopy(registry.qwen3_template)  # the user's own parser is used
+    assert ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id).response_template == registry.qwen3_template
