@@ -128,3 +128,16 @@ def test_a_template_the_registry_does_not_know_keeps_the_refusal_naming_what_to_
         ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
     tokenizer.response_template = copy.deepcopy(registry.qwen3_template)  # the user's own parser is used
     assert ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id).response_template == registry.qwen3_template
+
+
+def test_a_stock_template_is_known_with_other_surrounding_whitespace_and_as_its_training_copy():
+    """A checkpoint's files or a GGUF header may end the template with a newline; a user may have set the
+    registry's training-safe copy already: the parser is found for both, and nothing is swapped."""
+    tokenizer = family_tokenizer("qwen2_5")
+    tokenizer.chat_template += "\n"
+    assert ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id).response_template == registry.qwen3_template
+    tokenizer = family_tokenizer("qwen3")
+    tokenizer.chat_template = registry.qwen3_training_chat_template
+    chat = ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
+    assert chat.chat_template == registry.qwen3_training_chat_template
+    assert chat.response_template == registry.qwen3_template

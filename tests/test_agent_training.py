@@ -149,8 +149,10 @@ def test_agent_settings_are_checked_at_construction(make_config, tokenizer, load
 
 @needs_tool_parsing
 def test_a_tokenizer_without_a_tool_template_is_refused_at_construction(make_config, tokenizer, load_models):
-    with pytest.raises(ValueError, match="has no `response_template`"):
+    with pytest.raises(ValueError, match="Tools need a stop token"):
         build_trainer(make_config(max_turns=2), tokenizer, load_models, tools=[multiply])
+    with pytest.raises(ValueError, match="Tools need a chat template that renders tool calls and tool answers"):
+        build_trainer(make_config(max_turns=2, stop_token="eos"), tokenizer, load_models, tools=[multiply])
 
 
 @pytest.mark.skipif(has_parsing_api(PreTrainedTokenizerBase), reason="this transformers has the parsing API")

@@ -4,11 +4,14 @@ Token in, token out: the model's own tokens are never decoded and encoded again 
 tool answers are appended as the ids the chat template gives for those tool messages: the template is rendered
 for a conversation ending with the model's tool calls, and again with the tool messages (and the prompt of the
 next assistant turn) after them; the text added after the model's stop token is encoded. This is only right for
-a chat template that never rewrites earlier turns (prefix-preserving), which `ToolChat` checks at construction.
+a chat template that never rewrites earlier turns within an episode (prefix-preserving), which `ToolChat` checks at
+construction, with turns written plainly and with a `<think>` block; a stock template that fails is swapped for
+the training-safe copy of it in TRL's registry, with a warning (`templates`).
 
-Tool calls are parsed with transformers' `tokenizer.parse_response(ids, prefix=..., tools=...)`, which reads
-the tokenizer's `response_template` (the API of transformers 5.24; older releases had a `response_schema`
-instead, which is not supported: `ToolChat` names the version).
+Tool calls are parsed with transformers' `tokenizer.parse_response(ids, schema, prefix=..., tools=...)` and the
+tokenizer's `response_template`, or for a stock model family's template the one of TRL's registry (`templates`)
+(the API of transformers 5.24; older releases had a `response_schema` instead, which is not supported: `ToolChat`
+names the version). The tokenizer itself is never changed.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ class ToolAnswer:
 
 
 class ToolChat:
-    """Parse tool calls from a turn, and render tool answers as ids, with `tokenizer`'s chat template and
-    `response_template`. Refuses (at construction, before any compute) a tokenizer that cannot do both, or whose
-    chat template rewrites earlier turns. `tools`: the JSON schemas the model is shown (`tools.schemas`)."""
+    """Parse tool calls from a turn, and render tool answers as ids, with `chat_template` and `response_template`
+    (the tokenizer's, or for a stock model family TRL's registry's: `templates`). Refuses (at construction, before
+    any compute) a tokenizer that cannot do both, or whose chat template rewrites earlier turns and has no
+    training-safe copy. `tools`: the JSON schemas the model is shown (`tools.schemas`)."""
 
     def __init__(self, tokenizer, tools: list[dict], stop_token_id: int | None) -> None:
         self.tokenizer, self.tools, self.stop_token_id = tokenizer, tools, stop_token_id

@@ -27,22 +27,22 @@ from __future__ import annotations
 import copy
 
 from jinja2 import TemplateError
-
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
 TESTED_TRL = "trl>=1.12,<1.13"
-INSTALL = "pip install 'trl_ppo[templates]'"
+INSTALL = f"pip install 'trl_ppo[templates]'` ({TESTED_TRL})"
 
 
 def registry():
-    """TRL's `chat_template_utils`, or None when the `templates` extra is not installed."""
+    """TRL's `chat_template_utils`, or None when the `templates` extra is not installed (or a trl without it)."""
     try:
         import trl.chat_template_utils as registry
     except ImportError:
         return None
-    return registry
+    has_api = all(hasattr(registry, name) for name in ("add_response_schema", "get_training_chat_template"))
+    return registry if has_api else None
 
 
 def response_template(tokenizer) -> tuple[dict | None, str]:
@@ -53,7 +53,7 @@ def response_template(tokenizer) -> tuple[dict | None, str]:
         return own, "the tokenizer's `response_template`"
     known = registry()
     if known is None:
-        return None, f"for a stock model family (Qwen2.5, Qwen3, Llama 3.1/3.2, gpt-oss, ...), `{INSTALL}` sets it"
+        return None, f"for a stock model family (Qwen2.5, Qwen3, Llama 3.1/3.2, gpt-oss, ...), `{INSTALL} sets it"
     try:
         found = known.add_response_schema(_stock_copy(known, tokenizer)).response_template
     except (ValueError, AttributeError):
@@ -66,7 +66,7 @@ def training_chat_template(tokenizer) -> tuple[str | None, str]:
     refusal when None)."""
     known = registry()
     if known is None:
-        return None, f" For a stock model family, `{INSTALL}` swaps in a training-safe template."
+        return None, f" For a stock model family, `{INSTALL} swaps in a training-safe template."
     try:
         safe = known.get_training_chat_template(_stock_copy(known, tokenizer))
     except (ValueError, TypeError, TemplateError):  # an unknown template, or one its own probes cannot render
@@ -86,7 +86,8 @@ def swapped_warning(why: str) -> None:
 def _stock_copy(known, tokenizer):
     """A shallow copy of `tokenizer` (the user's is left alone: the registry sets attributes on what it is given)
     whose chat template is the registry's own text of it, matched ignoring surrounding whitespace (which a
-    checkpoint's files or a GGUF header may add or drop), and with no parser set."""
+    checkpoint's files or a GGUF header may add or drop; the registry's training-safe copy of a template counts as
+    that template), and with no parser set."""
     stock = copy.copy(tokenizer)
     stock.response_template = None
     text = tokenizer.chat_template
@@ -94,6 +95,6 @@ def _stock_copy(known, tokenizer):
         for name in dir(known):
             value = getattr(known, name)
             if name.endswith("_chat_template") and isinstance(value, str) and value.strip() == text.strip():
-                stock.chat_template = value
+                stock.chat_template = getattr(known, name.replace("_training_chat_template", "_chat_template"), value)
                 break
     return stock
