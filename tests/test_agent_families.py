@@ -4,6 +4,7 @@ copy of it, `trl.chat_template_utils`), on an offline byte-level tokenizer with 
 
 import copy
 import logging
+import os
 import sys
 
 import pytest
@@ -141,3 +142,22 @@ def test_a_stock_template_is_known_with_other_surrounding_whitespace_and_as_its_
     chat = ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
     assert chat.chat_template == registry.qwen3_training_chat_template
     assert chat.response_template == registry.qwen3_template
+
+
+@pytest.mark.skipif(not os.environ.get("TRL_PPO_QWEN_CODER"), reason="set TRL_PPO_QWEN_CODER to the converted folder")
+def test_the_real_qwen2_5_coder_tokenizer_needs_no_parser_set():
+    """Qwen2.5-Coder-0.5B-Instruct (`make demo-agent` fetches it; TRL_PPO_QWEN_CODER: its converted folder) ships
+    Qwen2.5's template and no `response_template`: its Hermes `<tool_call>` is parsed, run and answered."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.environ["TRL_PPO_QWEN_CODER"])
+    assert getattr(tokenizer, "response_template", None) is None
+    chat = ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
+    messages = [{"role": "user", "content": "What is 6 times 7?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=schemas(TOOLS), add_generation_prompt=True, tokenize=False)
+    written = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
+    turns = [tokenizer.encode(written, add_special_tokens=False), tokenizer.encode("42<|im_end|>")]
+    query = tokenizer.encode(prompt, add_special_tokens=False)
+    episode = run_turns([Episode(query, TOOLS)], lambda contexts, n: [turns.pop(0)], chat, max_turns=3, budget=200)[0]
+    assert episode.tool_calls == 1 and episode.tool_errors == 0 and episode.turns == 2
+    assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(episode.response)
