@@ -6,6 +6,7 @@ import copy
 import logging
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import needs_tool_parsing
@@ -142,6 +143,32 @@ def test_a_stock_template_is_known_with_other_surrounding_whitespace_and_as_its_
     chat = ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
     assert chat.chat_template == registry.qwen3_training_chat_template
     assert chat.response_template == registry.qwen3_template
+
+
+def test_episode_prompts_are_rendered_with_the_swapped_in_template():
+    """Stock Qwen3 drops the empty `<think>` block of an assistant turn before the last question; its
+    training-safe copy keeps it. A chat prompt with such a turn starts its episode as the copy renders it."""
+    import torch
+
+    from trl_ppo.agents.runner import AgentRunner
+
+    tokenizer = family_tokenizer("qwen3")
+    args = SimpleNamespace(max_turns=3, max_tool_response_length=None, max_prompt_length=None, response_length=64)
+    runner = AgentRunner(args, tokenizer, [multiply], None, tokenizer.eos_token_id, ["prompt"])
+    prompt = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+              {"role": "user", "content": "What is 6 times 7?"}]
+    ids = torch.tensor([tokenizer.encode("x", add_special_tokens=False)])  # replaced by the rendering of `prompt`
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "prompt": [prompt]}
+    query = runner.start_episodes(batch, args, context=None)[0].query
+
+    def render(template):
+        text = tokenizer.apply_chat_template(
+            prompt, tools=schemas(TOOLS), tokenize=False, add_generation_prompt=True, chat_template=template
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    assert render(registry.qwen3_training_chat_template) != render(registry.qwen3_chat_template)
+    assert query == render(registry.qwen3_training_chat_template)
 
 
 @pytest.mark.skipif(not os.environ.get("TRL_PPO_QWEN_CODER"), reason="set TRL_PPO_QWEN_CODER to the converted folder")
