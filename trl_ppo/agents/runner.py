@@ -89,7 +89,7 @@ class AgentRunner:
                 messages[-1]["content"] = f"{messages[-1]['content']}\n\n{added}"
             text = self.tokenizer.apply_chat_template(
                 messages, tools=schemas(tools), tokenize=False, add_generation_prompt=True,
-                chat_template=self.chat.chat_template,  # the training-safe copy where one was swapped in
+                chat_template=None if self.chat is None else self.chat.chat_template,  # a swapped-in training copy
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
         return ids + (self.tokenizer.encode(added, add_special_tokens=False) if added else [])
