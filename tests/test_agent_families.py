@@ -113,6 +113,13 @@ def test_a_stock_family_that_cannot_carry_tools_is_refused_saying_why(family):
         ToolChat(tokenizer, schemas(TOOLS), tokenizer.eos_token_id)
 
 
+def test_a_stop_token_that_does_not_end_a_tool_calling_turn_is_refused_naming_the_one_to_set():
+    """gpt-oss's EOS `<|return|>` ends a final answer; a turn that calls a tool ends with `<|call|>`."""
+    tokenizer = family_tokenizer("gptoss")
+    with pytest.raises(ValueError, match=r"followed by the stop token '<\|return\|>'.*set `stop_token_id`"):
+        ToolChat(tokenizer, schemas(TOOLS), tokenizer.convert_tokens_to_ids("<|return|>"))
+
+
 def test_without_the_templates_extra_the_refusal_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)  # as if trl were not installed
     tokenizer = family_tokenizer("qwen2_5")

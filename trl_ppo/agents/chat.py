@@ -143,7 +143,11 @@ class ToolChat:
         for texts in rendered:
             turn = texts[1][len(texts[0]) :]
             if _PROBE_ARGUMENT not in turn or self.stop_text not in turn:
-                raise TemplateProblem(f"does not render an assistant's `tool_calls` followed by {self.stop_text!r}")
+                raise TemplateProblem(
+                    f"does not render an assistant's `tool_calls` followed by the stop token {self.stop_text!r} (a "
+                    "turn that calls a tool must end with it: where the template ends one with another token, as "
+                    "gpt-oss's `<|call|>`, set `stop_token_id` to that token)"
+                )
             if "Answer-420" not in texts[2]:
                 raise TemplateProblem("does not render messages of role 'tool'")
             if any(not longer.startswith(shorter) for shorter, longer in zip(texts, texts[1:])):

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 
-from jinja2 import TemplateError
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -67,6 +66,8 @@ def training_chat_template(tokenizer) -> tuple[str | None, str]:
     known = registry()
     if known is None:
         return None, f" For a stock model family, `{INSTALL} swaps in a training-safe template."
+    from jinja2 import TemplateError  # trl's requirement (transformers renders templates with it, not requiring it)
+
     try:
         safe = known.get_training_chat_template(_stock_copy(known, tokenizer))
     except (ValueError, TypeError, TemplateError):  # an unknown template, or one its own probes cannot render
