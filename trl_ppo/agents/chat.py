@@ -124,8 +124,8 @@ class ToolChat:
             if safe is not None and safe != own:
                 try:
                     probes = self._check_template(safe)
-                except TemplateProblem:
-                    pass  # the refusal names the problem of the tokenizer's own template
+                except TemplateProblem as also:
+                    note = f" The training-safe copy of it in TRL's registry {also.what}, too."
                 else:
                     templates.swapped_warning(problem.what)
                     return safe, probes
