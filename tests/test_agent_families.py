@@ -20,14 +20,17 @@ registry = pytest.importorskip("trl.chat_template_utils", reason="the `templates
 pytestmark = needs_tool_parsing
 
 CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-LLAMA3 = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+LLAMA3 = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+          "<|python_tag|>"]
 HARMONY = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"]
 DEEPSEEK = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
             "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁outputs▁begin｜>",
             "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"]
+GEMMA4 = ["<bos>", "<eos>", "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+          "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|tool>", "<tool|>", "<|think|>"]
 
 # family (the name of its stock template in TRL's registry): its markup tokens, the token ending a turn of the
-# model (the stop token: `stop_token_id` in the config; EOS of these checkpoints but gpt-oss's), BOS.
+# model (the stop token: `stop_token_id` in the config; the checkpoint's EOS but for gpt-oss and Gemma 4), BOS.
 FAMILIES = {
     "qwen2_5": (CHATML, "<|im_end|>", None),
     "qwen3": (CHATML, "<|im_end|>", None),
@@ -39,6 +42,10 @@ FAMILIES = {
     "llama3_1": (LLAMA3, "<|eot_id|>", "<|begin_of_text|>"),
     "llama3_2": (LLAMA3, "<|eot_id|>", "<|begin_of_text|>"),
     "gptoss": (HARMONY, "<|call|>", None),  # its EOS `<|return|>` ends a final answer; a tool call ends `<|call|>`
+    "nemotron_3_nano": (CHATML, "<|im_end|>", None),
+    "lfm2_2_5": (CHATML + ["<|tool_call_start|>", "<|tool_call_end|>"], "<|im_end|>", "<|startoftext|>"),
+    # Gemma 4 ends a turn that calls a tool with `<|tool_response>` (a final answer with `<turn|>`, its EOS)
+    "gemma4": (GEMMA4, "<|tool_response>", "<bos>"),
     "gemma3": (["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>", "<bos>"),
     "phi3_5": (["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"], "<|end|>", None),
     "deepseekv3": (DEEPSEEK, "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
@@ -48,6 +55,8 @@ SWAPPED = {"qwen3"}  # stock templates that rewrite earlier turns: the registry'
 REFUSED = {
     "gemma3": "cannot render a conversation with tool calls",  # no tool role, no tool calls
     "phi3_5": "does not show the tools",  # nor tool calls, nor tool messages
+    # writes the text of a turn that calls a tool after the tool's answer: such a turn cannot be answered as ids
+    "gemma4": "is not prefix-preserving",
     # string arguments only; its training-safe copy takes dicts but, like it, never lists the tools to the model
     "deepseekv3": "cannot render a conversation with tool calls.*copy of it in TRL's registry does not show the tools",
 }
@@ -91,8 +100,11 @@ def test_a_stock_familys_tool_call_is_parsed_run_and_answered_with_no_parser_set
 
     user = {"role": "user", "content": "What is 6 times 7?"}
     call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
-    calling = {"role": "assistant", "content": "", "tool_calls": [call]}
     prompt = render([user], add_generation_prompt=True)
+    opened = tokenizer.decode(prompt[len(render([user])) :])  # what the generation prompt writes
+    thinking = "<think>" in opened and "</think>" not in opened  # the model's turn goes on thinking
+    thought = "<think>\nMultiply.\n</think>\n\n" if thinking else ""
+    calling = {"role": "assistant", "content": thought, "tool_calls": [call]}
     written = render([user, calling])[len(prompt) :]  # the call as the family's template writes it
     turn = written[: written.index(tokenizer.eos_token_id) + 1]  # the model stops at its stop token
     final = tokenizer.encode("It is 42.", add_special_tokens=False) + [tokenizer.eos_token_id]
@@ -100,7 +112,8 @@ def test_a_stock_familys_tool_call_is_parsed_run_and_answered_with_no_parser_set
     played = run_turns([Episode(prompt, TOOLS)], lambda contexts, n: [turns.pop(0)], chat, max_turns=3, budget=600)
     episode = played[0]
     assert episode.tool_calls == 1 and episode.tool_errors == 0 and episode.turns == 2 and not episode.truncated
-    answered = render([user, calling, {"role": "tool", "name": "multiply", "content": "42"}], add_generation_prompt=True)
+    answer = {"role": "tool", "name": "multiply", "content": "42"}
+    answered = render([user, calling, answer], add_generation_prompt=True)
     assert episode.context == answered + final  # token in, token out: the family's own rendering, ids for ids
     assert episode.model_mask == [True] * len(turn) + [False] * (len(answered) - len(prompt) - len(turn)) + [
         True
@@ -198,7 +211,9 @@ def test_the_real_qwen2_5_coder_tokenizer_needs_no_parser_set():
     assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(episode.response)
 
 
-def test_a_trainer_with_stock_qwen3_and_no_parser_set_plays_and_learns_from_tool_calls(make_config, caplog, monkeypatch):
+def test_a_trainer_with_stock_qwen3_and_no_parser_set_plays_and_learns_from_tool_calls(
+    make_config, caplog, monkeypatch
+):
     """`PPOTrainer(tools=...)` with stock Qwen3's template and no `response_template`: the parser and the
     training-safe template come from the registry, the calls are parsed, run and answered, and the run updates."""
     import torch

@@ -134,12 +134,16 @@ class ToolChat:
     def _check_template(self, template: str) -> list[str]:
         """Refuse a chat template that cannot show the tools, the model's calls and the tool answers, or that
         rewrites earlier turns when a later one is added (its tool answers could not be appended as ids). Probed
-        with the model's turns written plainly, and with a `<think>` block (templates that drop earlier `<think>`
-        blocks pass the first), unless the generation prompt already closes one (thinking turned off)."""
+        with the model's turns written plainly (unless the generation prompt opens a `<think>` block: the turn will
+        close it), and with a `<think>` block (templates that drop earlier ones pass the first; unless the
+        generation prompt already closes one: thinking turned off)."""
         plain, generation_prompt = self._probe_render(template, "")
         if self.tools and self.tools[0]["function"]["name"] not in plain[0]:
             raise TemplateProblem("does not show the tools (`apply_chat_template(..., tools=...)`)")
-        rendered = [plain] + ([] if "</think>" in generation_prompt else [self._probe_render(template, _THINK)[0]])
+        thinks = "<think>" in generation_prompt and "</think>" not in generation_prompt  # the model's turn thinks
+        rendered = [] if thinks else [plain]  # ... so a plain turn is not one it can write
+        if "</think>" not in generation_prompt:  # unless thinking is turned off
+            rendered.append(self._probe_render(template, _THINK)[0])
         for texts in rendered:
             turn = texts[1][len(texts[0]) :]
             if _PROBE_ARGUMENT not in turn or self.stop_text not in turn:
@@ -156,7 +160,7 @@ class ToolChat:
                     "templates that drop earlier `<think>` blocks do), so the tokens of a multi-turn episode would not "
                     "be the ones the model saw"
                 )
-        return plain
+        return rendered[0]
 
     def _probe_render(self, template: str, thought: str) -> tuple[list[str], str]:
         """(the renderings of a probe episode, one per step: the prompt, a turn calling a tool, its answer and the
