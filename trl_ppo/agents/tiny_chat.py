@@ -1,7 +1,8 @@
 """A tiny tool-calling tokenizer built offline: byte-level (any text, JSON included, encodes and decodes back
 exactly), with a Qwen/Hermes-style chat template (`<tool_call>{json}</tool_call>` in assistant turns, tool answers
 as `<tool_response>` blocks in a user turn) and the `response_template` that parses it. For tests, examples and
-benchmarks on tiny models; a real model brings its own."""
+benchmarks on tiny models; a real model brings its own. `build_byte_tokenizer`: the same bytes with a model family's
+markup tokens, to try that family's own chat template offline."""
 
 from __future__ import annotations
 
@@ -65,6 +66,6 @@ def build_byte_tokenizer(special_tokens: list[str], eos_token: str, pad_token: s
         tokenizer_object=backend, padding_side="left", pad_token=pad_token or eos_token, eos_token=eos_token,
         bos_token=bos_token,
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in special_tokens if t not in
-                                                                (pad_token, eos_token, bos_token)]})
+    named = (pad_token, eos_token, bos_token)
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in special_tokens if t not in named]})
     return tokenizer
