@@ -12,8 +12,6 @@ Several rewards are combined as a weighted sum (`reward_weights`); a missing sco
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import copy
 import inspect
@@ -25,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import ppo
+from . import async_loop, ppo
 from .data import is_conversational
 from .models import check_scalar_head_model, scalar_head_outputs
 from .rollout import Rollout, chunks
@@ -163,20 +161,9 @@ def uses_chat_template(tokenizer, prompt_column) -> bool:
 
 # ---------------------------------------------------------------------------------------- reward functions
 def call_reward_function(reward_function: RewardFunction, **kwargs) -> list:
-    """Call a reward function; an `async` one (e.g. an HTTP judge scoring completions concurrently) is awaited."""
-    result = reward_function(**kwargs)
-    if inspect.isawaitable(result):
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop running here: the usual case
-            return asyncio.run(_await(result))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # inside a notebook's running loop
-            return pool.submit(asyncio.run, _await(result)).result()
-    return result
-
-
-async def _await(awaitable):
-    return await awaitable
+    """Call a reward function; an `async` one (e.g. an HTTP judge scoring completions concurrently) is awaited on
+    the run's event loop (`async_loop`), where the environments it reads made their async state."""
+    return async_loop.resolve(reward_function(**kwargs))
 
 
 def reward_values(result, name: str, count: int) -> list:
