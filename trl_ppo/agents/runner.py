@@ -106,6 +106,11 @@ class AgentRunner:
             return self.tokenizer.encode(text, add_special_tokens=False)
         return ids + (self.tokenizer.encode(added, add_special_tokens=False) if added else [])
 
+    def close_environments(self, batch: dict) -> None:
+        """Close the environments of a scored batch (`environments.close_environment`)."""
+        for environment in batch.get("environments") or []:
+            close_environment(environment)
+
     def collect(self, batch: dict, models, sampling: Sampling, args) -> Rollout:
         """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`.
         The batch gains an `environments` column (reward functions receive it)."""
@@ -205,9 +210,11 @@ def turn_sampler(models, sampling: Sampling) -> TurnSampler:
     return sample_turn
 
 
-def agent_runner(args, tokenizer, tools, environment_factory, rewards: list[Reward], train_dataset):
+def agent_runner(args, tokenizer, tools, environment_factory, rewards: list[Reward], train_dataset,
+                 reward_model_given: bool = True):
     """The trainer's `AgentRunner`, or None for single-turn sampling (no tools, no environments, `max_turns=1`);
-    the environments' `get_reward()` joins `rewards` as the reward named "environment"."""
+    the environments' `get_reward()` joins `rewards` as the reward named "environment" (it may be the only one).
+    `reward_model_given`: whether `reward_model` was given (an empty list then needs a `get_reward`)."""
     if not tools and environment_factory is None:
         check_agent_config(args, tools, environment_factory)
         return None
@@ -217,4 +224,9 @@ def agent_runner(args, tokenizer, tools, environment_factory, rewards: list[Rewa
     reward = runner.environment_reward()
     if reward is not None:
         rewards.append(reward)
+    elif environment_factory is not None and reward_model_given and not rewards:
+        raise ValueError(
+            "`reward_model` is an empty list and no environment of `environment_factory` defines `get_reward`: the "
+            "episodes would have no score. Give a reward model or function, or a `get_reward()` method."
+        )
     return runner
