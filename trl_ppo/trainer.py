@@ -78,7 +78,9 @@ class PPOTrainer(OnPolicyTrainer):
         reward_processing_class: a tokenizer per reward model (same order; None for one sharing the policy's):
             the decoded prompt and response are re-encoded with it before that model scores them.
         tools, environment_factory: multi-turn episodes (`max_turns` >= 2): functions the model may call (sync or
-            async), and one environment per episode (a class, or `{name: class}`); see `trl_ppo.agents`.
+            async), and one environment per episode (a class or a function returning one, or `{name: either}`),
+            closed once scored (`close()`); its `get_reward` may be the only reward (`reward_model=[]`); see
+            `trl_ppo.agents`.
     """
 
     _tag_names = ["trl_ppo", "ppo"]

@@ -68,7 +68,8 @@ class AgentRunner:
         shown = toolbox(self.tools)  # every tool any episode may have, from one probe instance of each environment
         self.has_environment_reward = False
         for name, maker in makers.items():
-            probe = make_environment(maker, "`environment_factory`" if name is None else f"`environment_factory[{name!r}]`")
+            where = "`environment_factory`" if name is None else f"`environment_factory[{name!r}]`"
+            probe = make_environment(maker, where)
             shown.update(toolbox(self.tools, probe))
             self.has_environment_reward |= callable(getattr(probe, "get_reward", None))
             close_environment(probe)
