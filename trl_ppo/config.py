@@ -384,3 +384,18 @@ class PPOConfig(OnPolicyConfig):
         },
     )
 
+    tool_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds a tool call may run; a call still running then is abandoned and answered as an error "
+            "(counted in `env/tool_timeouts`). None: no limit."
+        },
+    )
+    truncated_episodes: Literal["terminal", "bootstrap", "mask"] = field(
+        default="terminal",
+        metadata={
+            "help": "Episodes cut before their end (budget `response_length`, `max_turns`, no stop token): "
+            "'terminal' (the cut is the end), 'bootstrap' (GAE bootstraps from the value at the last model token), "
+            "'mask' (left out of the loss)."
+        },
+    )

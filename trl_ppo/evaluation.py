@@ -33,9 +33,11 @@ def evaluation_metrics(
     """Sample one response to every prompt of `dataset` (prepared prompts), score it, and return over all
     processes (unprefixed): `objective/scores` (and `objective/scores/<reward>`), `objective/kl` (summed per
     sequence, the training penalty's estimator), `val/mean_response_length` and `val/stop_token_frac` (responses
-    ending with `sampling.stop_token_id`, else EOS: `scoring.penalty_token_id`). `where` labels reward errors.
-    `collect(batch)` makes the rollout of a batch (default: `rollout.collect_rollout`; the trainer's, with tools)."""
-    check_reward_columns(scoring.rewards, dataset, "eval_dataset")  # before sampling (`evaluate(eval_dataset=...)`)
+    whose last turn has `sampling.stop_token_id`, else EOS: `scoring.penalty_token_id`, as `missing_eos_penalty`
+    reads them). `where` labels reward errors. `collect(batch)` makes the rollout of a batch (default:
+    `rollout.collect_rollout`; the trainer's, with tools)."""
+    # before sampling (`evaluate(eval_dataset=...)`)
+    check_reward_columns(scoring.rewards, dataset, "eval_dataset", scoring.passed)
     accelerator = models.accelerator
     indices, counted = process_share(len(dataset), accelerator.num_processes, accelerator.process_index)
     totals, per_reward = torch.zeros(5, device=accelerator.device), {}
@@ -49,7 +51,7 @@ def evaluation_metrics(
         scores, scores_per_reward = scoring(rollout, batch, where)
         mask = rollout.response_mask
         kl = rollout.per_token_kl(args.kl_penalty, args.kl_estimator)
-        stopped = ppo.contains_stop_token(rollout.responses, mask, stop_token_id).float()
+        stopped = ppo.contains_stop_token(rollout.responses, ppo.last_turn_mask(mask), stop_token_id).float()
         weights = valid.float()
         totals += torch.stack(
             [(values.float() * weights).sum() for values in (scores, kl.sum(1), mask.sum(1).float(), stopped)]

@@ -50,9 +50,9 @@ def update_metrics(
         "objective/scores": rollout.scores.mean(),
         "val/mean_response_length": mask.sum(1).float().mean(),  # tokens, up to and including the stop token
     }
-    if stop_token_id is not None:  # how often responses run to `response_length` without stopping
+    if stop_token_id is not None:  # how often the last turn runs out of room without stopping (as the penalty)
         local["val/missing_stop_token_frac"] = (
-            (~ppo.contains_stop_token(rollout.responses, mask, stop_token_id)).float().mean()
+            (~ppo.contains_stop_token(rollout.responses, ppo.last_turn_mask(mask), stop_token_id)).float().mean()
         )
     local.update({key: values.float().mean() for key, values in update_stats.items()})
     names = list(local)

@@ -325,3 +325,26 @@ def advantages_and_returns(
         _, returns = compute_gae(rewards, values, response_mask, gamma, value_lam)
     advantages = masked_whiten(advantages, response_mask).masked_fill(~response_mask, 0.0)
     return Advantages(advantages, returns, None if length_adaptive_lam_alpha is None else policy_lam)
+
+
+# ----------------------------------------------------------------------------------------- truncated episodes
+def bootstrap_truncated_rewards(
+    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, truncated: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """Per-token rewards in which each truncated episode's last model token also gets `gamma * V` there, the
+    critic's value at its last model token: GAE then bootstraps from the critic at the cut instead of treating the
+    cut as the episode's end (V = 0 after it), as time-limit bootstrapping does in classic RL. V at the last token
+    stands for V after it, which would need one more forward position (and, after a tool call, is a state the critic
+    is never trained on). rewards, values, response_mask `[B, T]`, truncated `[B]` bool -> `[B, T]`."""
+    rows = torch.arange(rewards.size(0), device=rewards.device)
+    last = last_token_index(response_mask)
+    cut = (truncated & response_mask.any(-1)).to(rewards.dtype)
+    bootstrapped = rewards.clone()
+    bootstrapped[rows, last] += gamma * values[rows, last].to(rewards.dtype) * cut
+    return bootstrapped
+
+
+def drop_truncated_episodes(response_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """The response mask `[B, T]` with the truncated episodes (`[B]` bool) left out: they add nothing to the
+    advantages' whitening nor to the losses (DAPO's overlong filtering). -> `[B, T]` bool."""
+    return response_mask & ~truncated.unsqueeze(1)

@@ -62,8 +62,9 @@ def _instead(name: str, accepted: list[str]) -> str:
     return f"there is no argument `{name}=`: {hint}"
 
 
-def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> list[Reward]:
-    """Check the config, the tokenizer and the rewards -> the rewards, named and weighted."""
+def validate_inputs(args, tokenizer, reward_model, reward_processing_class, environment_factory=None) -> list[Reward]:
+    """Check the config, the tokenizer and the rewards -> the rewards, named and weighted (none yet for
+    `reward_model=[]` with an `environment_factory`: its `get_reward` is added by `agents.runner.agent_runner`)."""
     if not isinstance(args, OnPolicyConfig):
         kind = f"{type(args).__module__}.{type(args).__qualname__}"
         legacy = " (for trl 0.11's config, use `trl_ppo.legacy.PPOTrainer`)" if "legacy" in kind else ""
@@ -80,20 +81,24 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class) -> l
             f"`stop_token_id` ({args.stop_token_id}) is outside the tokenizer's vocabulary (ids 0 to "
             f"{len(tokenizer) - 1}): no response could ever stop. Use an id the tokenizer has."
         )
-    return build_rewards(reward_model, args.reward_weights, reward_processing_class)
+    environments = environment_factory is not None
+    return build_rewards(reward_model, args.reward_weights, reward_processing_class, environments)
 
 
-def prepare_data(args, tokenizer, train_dataset, eval_dataset, policy: nn.Module, rewards: list[Reward]) -> tuple:
+def prepare_data(
+    args, tokenizer, train_dataset, eval_dataset, policy: nn.Module, rewards: list[Reward], passed: tuple = ()
+) -> tuple:
     """Both prompt datasets with `input_ids`, cut to `max_prompt_length` and checked against the policy's context,
-    the config and what the reward functions take -> (train_dataset, eval_dataset); each may be None."""
+    the config and what the reward functions take (the columns, and the `passed` arguments the trainer adds) ->
+    (train_dataset, eval_dataset); each may be None."""
     if train_dataset is not None or eval_dataset is not None:
         require_pad_token(tokenizer.pad_token_id, "left-padding the prompts")
     context, vocab = context_length(policy), vocabulary_size(policy, tokenizer)
     train_dataset = prepare_prompts(train_dataset, tokenizer, args, context, "train_dataset", vocab)
     eval_dataset = prepare_prompts(eval_dataset, tokenizer, args, context, "eval_dataset", vocab)
     check_datasets(args, train_dataset, eval_dataset)
-    check_reward_columns(rewards, train_dataset, "train_dataset")
-    check_reward_columns(rewards, eval_dataset, "eval_dataset")
+    check_reward_columns(rewards, train_dataset, "train_dataset", passed)
+    check_reward_columns(rewards, eval_dataset, "eval_dataset", passed)
     return train_dataset, eval_dataset
 
 

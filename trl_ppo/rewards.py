@@ -12,8 +12,6 @@ Several rewards are combined as a weighted sum (`reward_weights`); a missing sco
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import copy
 import inspect
@@ -25,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import ppo
+from . import async_loop, ppo
 from .data import is_conversational
 from .models import check_scalar_head_model, scalar_head_outputs
 from .rollout import Rollout, chunks
@@ -60,13 +58,14 @@ def reward_name(reward: Any) -> str:
     return getattr(reward, "__name__", None) or type(reward).__name__
 
 
-def build_rewards(reward_model, reward_weights=None, reward_processing_class=None) -> list[Reward]:
+def build_rewards(reward_model, reward_weights=None, reward_processing_class=None, environments=False) -> list[Reward]:
     """Check and name the rewards given as `reward_model` (one, or a list mixing models and callables; None:
-    no reward, for `step()` on given scores)."""
+    no reward, for `step()` on given scores). An empty list is accepted with `environments` (an
+    `environment_factory`, whose `get_reward` may be the only reward: `agents.runner.agent_runner` checks it)."""
     if reward_model is None:
         return []
     sources = list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model]
-    if not sources:
+    if not sources and not environments:
         raise ValueError("`reward_model` is an empty list: give at least one reward model or function.")
     for source in sources:
         if isinstance(source, nn.Module):
@@ -163,20 +162,9 @@ def uses_chat_template(tokenizer, prompt_column) -> bool:
 
 # ---------------------------------------------------------------------------------------- reward functions
 def call_reward_function(reward_function: RewardFunction, **kwargs) -> list:
-    """Call a reward function; an `async` one (e.g. an HTTP judge scoring completions concurrently) is awaited."""
-    result = reward_function(**kwargs)
-    if inspect.isawaitable(result):
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop running here: the usual case
-            return asyncio.run(_await(result))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # inside a notebook's running loop
-            return pool.submit(asyncio.run, _await(result)).result()
-    return result
-
-
-async def _await(awaitable):
-    return await awaitable
+    """Call a reward function; an `async` one (e.g. an HTTP judge scoring completions concurrently) is awaited on
+    the run's event loop (`async_loop`), where the environments it reads made their async state."""
+    return async_loop.resolve(reward_function(**kwargs))
 
 
 def reward_values(result, name: str, count: int) -> list:
@@ -214,19 +202,20 @@ def reward_arguments(
         parameters = inspect.signature(reward_function).parameters.values()
     except (TypeError, ValueError):  # no signature to read (some builtins): give it everything
         parameters = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return copied_arguments(available)
     named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = [p.name for p in parameters if p.default is p.empty and p.kind is not p.VAR_POSITIONAL]
+    required = [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     missing = [parameter for parameter in required if parameter not in named or parameter not in available]
     if missing:
         columns = [key for key in available if key not in ("prompts", "completions")]
+        environments = " `environments` is passed with an `environment_factory`." if "environments" in missing else ""
         raise ValueError(
             f"Reward function {name!r} requires {', '.join(map(repr, missing))}, which the trainer cannot pass: it "
             f"calls rewards by keyword with `prompts`, `completions` and the other columns of {source} "
             f"({', '.join(columns) or 'none'}). Name its parameters after those, give the others defaults, or add "
-            "`**columns`."
+            f"`**columns`.{environments}"
         )
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return copied_arguments(available)
     return copied_arguments({key: value for key, value in available.items() if key in named})
 
 
@@ -237,12 +226,13 @@ def copied_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
     return {key: value if key in LIVE_ARGUMENTS else copy.deepcopy(value) for key, value in arguments.items()}
 
 
-def check_reward_columns(rewards: list[Reward], dataset, name: str) -> None:
-    """Before any compute: every reward function can be called with what a batch of `dataset` gives it."""
+def check_reward_columns(rewards: list[Reward], dataset, name: str, passed: tuple[str, ...] = ()) -> None:
+    """Before any compute: every reward function can be called with what a batch of `dataset` gives it, and the
+    `passed` arguments the trainer adds (`environments`, with an `environment_factory`)."""
     if dataset is None:
         return
     columns = [column for column in dataset.column_names if column not in ("input_ids", "attention_mask")]
-    available = dict.fromkeys(["prompts", "completions", *columns])
+    available = dict.fromkeys(["prompts", "completions", *columns, *passed])
     for reward in rewards:
         if not reward.is_model:
             reward_arguments(reward.source, reward.name, available, f"`{name}`")
@@ -345,17 +335,22 @@ class Scoring:
     penalty_token_id: int | None
     missing_eos_penalty: float | None
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    passed: tuple[str, ...] = ()  # arguments the trainer adds to the columns (`environments`)
+    done: Callable[[dict], None] | None = None  # called with the batch once scored (closes its environments)
 
     @classmethod
-    def from_config(cls, rewards, tokenizer, args, penalty_token_id: int | None, autocast) -> "Scoring":
+    def from_config(
+        cls, rewards, tokenizer, args, penalty_token_id: int | None, autocast, passed=(), done=None
+    ) -> "Scoring":
         chunk_size = args.local_rollout_forward_batch_size
-        return cls(rewards, tokenizer, chunk_size, penalty_token_id, args.missing_eos_penalty, autocast)
+        return cls(rewards, tokenizer, chunk_size, penalty_token_id, args.missing_eos_penalty, autocast, passed, done)
 
     def __call__(self, rollout: Rollout, batch: dict, where: str) -> tuple[torch.Tensor, dict]:
         """Scores `[B]` of the rollout of a collated `batch` (its other columns go to reward functions) and,
-        per reward name, `(scores [B], present [B] or None)`. A reward's error is prefixed with `where`."""
+        per reward name, `(scores [B], present [B] or None)`. A reward's error is prefixed with `where`. The
+        batch's episodes end here: `done(batch)` is called, scored or not."""
         columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
-        with self.autocast(), _labelled_errors(where):
+        with self.autocast(), _labelled_errors(where), self._finally_done(batch):
             return compute_scores(
                 self.rewards,
                 rollout,
@@ -365,6 +360,15 @@ class Scoring:
                 self.penalty_token_id,
                 self.missing_eos_penalty,
             )
+
+
+    @contextlib.contextmanager
+    def _finally_done(self, batch: dict):
+        try:
+            yield
+        finally:
+            if self.done is not None:
+                self.done(batch)
 
 
 @contextlib.contextmanager

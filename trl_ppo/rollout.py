@@ -53,6 +53,8 @@ class Rollout:
     # (e.g. tool output): those are attended to but not trained on. None: the same as `response_mask`.
     response_attention_mask: torch.Tensor | None = None
     turn_rewards: torch.Tensor | None = None  # [B, K] per-turn rewards of multi-turn episodes (`agents`), or None
+    # [B] bool: cut before their end (by the budget, `max_turns`, no room for the model); None where not known
+    truncated: torch.Tensor | None = None
 
     @property
     def response_length(self) -> int:

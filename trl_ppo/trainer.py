@@ -10,6 +10,7 @@ outside the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -77,7 +78,9 @@ class PPOTrainer(OnPolicyTrainer):
         reward_processing_class: a tokenizer per reward model (same order; None for one sharing the policy's):
             the decoded prompt and response are re-encoded with it before that model scores them.
         tools, environment_factory: multi-turn episodes (`max_turns` >= 2): functions the model may call (sync or
-            async), and one environment per episode (a class, or `{name: class}`); see `trl_ppo.agents`.
+            async), and one environment per episode (a class or a function returning one, or `{name: either}`),
+            closed once scored (`close()`); its `get_reward` may be the only reward (`reward_model=[]`); see
+            `trl_ppo.agents`.
     """
 
     _tag_names = ["trl_ppo", "ppo"]
@@ -102,10 +105,12 @@ class PPOTrainer(OnPolicyTrainer):
         environment_factory=None,
     ) -> None:
         tokenizer = processing_class
-        rewards = validate_inputs(args, tokenizer, reward_model, reward_processing_class)
-        self.agents = agent_runner(args, tokenizer, tools, environment_factory, rewards, train_dataset)
+        rewards = validate_inputs(args, tokenizer, reward_model, reward_processing_class, environment_factory)
+        given = reward_model is not None
+        self.agents = agent_runner(args, tokenizer, tools, environment_factory, rewards, train_dataset, given)
         model = with_value_function(model, value_model, args.seed, args.value_head_init)
-        train_dataset, eval_dataset = prepare_data(args, tokenizer, train_dataset, eval_dataset, model, rewards)
+        datasets = prepare_data(args, tokenizer, train_dataset, eval_dataset, model, rewards, self._passed_columns())
+        train_dataset, eval_dataset = datasets
         fingerprints = initial_fingerprints(model, ref_model, value_model, rewards, train_dataset)
         model, ref_model = prepare_all_models(args, tokenizer, model, ref_model, value_model, rewards, peft_config)
 
@@ -174,11 +179,12 @@ class PPOTrainer(OnPolicyTrainer):
                 rollout = self.collect_rollout(batch)  # sample; logprobs, ref_logprobs, values
                 rollout.scores, scores_per_reward = self.score(rollout, batch)
                 rewards = self.compute_rewards(rollout)  # score - kl_coef * KL, per token
-                advantages = self.compute_advantages(rollout, rewards)  # GAE
+                trained = self.trained_episodes(rollout)  # `truncated_episodes="mask"` leaves the truncated out
+                advantages = self.compute_advantages(trained, rewards)  # GAE
                 last = update == args.num_total_batches  # a stop then finishes the run instead
                 if not last and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
-                update_stats = self.ppo_update(rollout, advantages).stats
+                update_stats = self.ppo_update(trained, advantages).stats
 
                 metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward)
                 self.run.kl_coef = next_kl_coef(self.run.kl_coef, metrics["objective/kl"], self.args)
@@ -196,7 +202,10 @@ class PPOTrainer(OnPolicyTrainer):
         """Sample one response per prompt of a collated batch, then compute `logprobs`, `ref_logprobs` and
         `values` `[B, T]` (no gradients); with tools or environments, one multi-turn episode per prompt."""
         collect = collect_rollout if self.agents is None else self.agents.collect
-        return collect(batch, self._models(), self._sampling(), self.args)
+        rollout = collect(batch, self._models(), self._sampling(), self.args)
+        if rollout.truncated is None and self.stop_token_id is not None:  # one turn: cut where it did not stop
+            rollout.truncated = ~ppo.contains_stop_token(rollout.responses, rollout.response_mask, self.stop_token_id)
+        return rollout
 
     def add_logprobs_and_values(self, rollout: Rollout) -> Rollout:
         """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout (no gradients)."""
@@ -228,9 +237,20 @@ class PPOTrainer(OnPolicyTrainer):
     def compute_advantages(self, rollout: Rollout, rewards: ppo.Rewards) -> ppo.Advantages:
         """GAE over the response tokens -> advantages (whitened) and returns, both `[B, T]` (decoupled or
         length-adaptive lambdas with `lam_value` / `length_adaptive_lam_alpha`)."""
-        args, mask = self.args, rollout.response_mask
+        args, mask, token_rewards = self.args, rollout.response_mask, rewards.rewards
+        if args.truncated_episodes == "bootstrap" and rollout.truncated is not None:
+            token_rewards = ppo.bootstrap_truncated_rewards(token_rewards, rollout.values, mask, rollout.truncated,
+                                                            args.gamma)
         lambdas = (args.lam, args.lam_value, args.length_adaptive_lam_alpha)
-        return ppo.advantages_and_returns(rewards.rewards, rollout.values, mask, args.gamma, *lambdas)
+        return ppo.advantages_and_returns(token_rewards, rollout.values, mask, args.gamma, *lambdas)
+
+    def trained_episodes(self, rollout: Rollout) -> Rollout:
+        """The rollout the update trains on: with `truncated_episodes="mask"`, its truncated episodes left out of
+        the response mask (the metrics still see them all)."""
+        if self.args.truncated_episodes != "mask" or rollout.truncated is None:
+            return rollout
+        return dataclasses.replace(rollout, response_mask=ppo.drop_truncated_episodes(rollout.response_mask,
+                                                                                       rollout.truncated))
 
     def ppo_update(
         self, rollout: Rollout, advantages: ppo.Advantages, detailed: bool = False
@@ -388,11 +408,18 @@ class PPOTrainer(OnPolicyTrainer):
     def _scoring(self) -> Scoring:
         if not self.rewards:
             raise ValueError(
-                "Sampling and scoring responses needs a reward: pass `reward_model` (a model or a function). Without "
-                "one, only `step()` with scores you give can train."
+                "Sampling and scoring responses needs a reward: pass `reward_model` (a model or a function), or an "
+                "`environment_factory` whose environments define `get_reward`. Without one, only `step()` with "
+                "scores you give can train."
             )
         args, autocast = self.args, self.accelerator.autocast
-        return Scoring.from_config(self.rewards, self.processing_class, args, self.penalty_token_id, autocast)
+        done = None if self.agents is None else self.agents.close_environments  # the episodes end once scored
+        pieces = (self.penalty_token_id, autocast, self._passed_columns(), done)
+        return Scoring.from_config(self.rewards, self.processing_class, args, *pieces)
+
+    def _passed_columns(self) -> tuple[str, ...]:
+        """What the trainer passes to reward functions besides the dataset's columns."""
+        return ("environments",) if self.agents is not None and self.agents.environments is not None else ()
 
     def _begin_update(self, update: int) -> None:
         """The callbacks' `on_step_begin`, and a table of sample completions every `sample_generations_freq`."""

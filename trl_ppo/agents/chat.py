@@ -25,6 +25,9 @@ from . import templates
 from .execution import ToolCall, ToolResult
 
 TESTED_TRANSFORMERS = "5.24"
+# A token spans at most this many characters in the answers that matter (BPE merges of long runs can exceed it;
+# then the character cut is the one that binds, and the answer is still counted as cut).
+CHARS_PER_TOKEN = 16
 _PROBE_ARGUMENT = "probe-7"  # a string a template renders verbatim, to find the tool call in the rendering
 _THINK = "<think>\nProbe reasoning.\n</think>\n\n"  # a thinking model's turn opens with one
 
@@ -82,14 +85,13 @@ class ToolChat:
     # -------------------------------------------------------------------------------------------- answers
     def answer_ids(self, results: list[ToolResult], max_tokens: int | None = None) -> ToolAnswer:
         """The ids the chat template gives after a turn's stop token for its tool `results`: the tool messages,
-        each content cut to `max_tokens` tokens when longer, then the prompt of the next assistant turn."""
+        each content cut to `max_tokens` tokens when longer (`cut_text`), then the prompt of the next assistant turn."""
         truncated, messages = 0, []
         for result in results:
-            content = result.content
+            content, cut = result.content, False
             if max_tokens is not None:
-                ids = self.tokenizer.encode(content, add_special_tokens=False)
-                if len(ids) > max_tokens:
-                    content, truncated = self.tokenizer.decode(ids[:max_tokens]), truncated + 1
+                content, cut = cut_text(self.tokenizer, content, max_tokens)
+            truncated += cut
             messages.append({"role": "tool", "name": result.name, "content": content})
         return ToolAnswer(self.tokenizer.encode(self._suffix(results, messages), add_special_tokens=False), truncated)
 
@@ -208,6 +210,24 @@ class TemplateProblem(ValueError):
             f"{what}. Set `tokenizer.chat_template` to one that does (for example the one of a tool-calling model)."
             f"{note}"
         )
+
+
+def cut_text(tokenizer, text: str, max_tokens: int) -> tuple[str, bool]:
+    """`text` cut to at most `max_tokens` tokens -> (the text, whether it was cut). First to `CHARS_PER_TOKEN` x
+    `max_tokens` characters, so a huge answer is never tokenized whole; then by tokens, dropping the last ones
+    while they decode to a split character (U+FFFD where `text` has none)."""
+    cut = len(text) > CHARS_PER_TOKEN * max_tokens
+    text = text[: CHARS_PER_TOKEN * max_tokens]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text, cut
+    count = max_tokens
+    kept = tokenizer.decode(ids[:count])
+    while count > 0 and kept.endswith("\ufffd") and not text.startswith(kept):
+        count -= 1
+        kept = tokenizer.decode(ids[:count])
+    return kept, True
+
 
 
 def has_parsing_api(tokenizer_class) -> bool:

@@ -1,6 +1,10 @@
 """Running the tool calls of one turn of a batch of episodes. Failures are answers, not crashes: an unknown tool,
-arguments that do not fit its signature, or a tool that raises give the model an error message (and are
-counted); the run goes on. The `async` tools of the whole batch run concurrently, in one event loop.
+arguments that do not fit its signature, markup that could not be parsed, a tool that raises, or one that does not
+answer within `timeout` seconds give the model an error message (and are counted); the run goes on.
+
+The calls of a batch run concurrently: the `async` tools on the run's one event loop (`async_loop`: what a tool
+made on it at one turn still works at the next), the sync tools in a bounded thread pool, the sync calls of one
+episode in the order written (each may depend on the one before), those of different episodes side by side.
 
 A tool may return `(text, reward)`: the reward is that turn's (it lands on the model's last token of the turn,
 `ppo.per_turn_token_rewards`)."""
@@ -13,8 +17,11 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..rewards import call_reward_function
+from .. import async_loop
 from .tools import Tool
+
+UNPARSED = object()  # the arguments of a call whose markup could not be parsed
+_TIMED_OUT = object()
 
 
 @dataclass(frozen=True)
@@ -27,36 +34,87 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolResult:
-    """What the model reads back (`content`), whether the call failed, and the turn reward the tool gave."""
+    """What the model reads back (`content`), whether the call failed (or timed out), and the turn reward the tool
+    gave."""
 
     name: str
     content: str
     error: bool = False
     reward: float = 0.0
+    timed_out: bool = False
 
 
-def execute_calls(calls: list[list[ToolCall]], toolboxes: list[dict[str, Tool]]) -> list[list[ToolResult]]:
-    """The result of each call of each episode (`calls[i]` against `toolboxes[i]`), in the same order. Sync tools
-    run one after another; all the `async` ones of the batch are awaited together."""
+def unparsed_call() -> ToolCall:
+    """The call that stands for a turn whose tool-call markup the parser could not read."""
+    return ToolCall("", UNPARSED)
+
+
+def execute_calls(
+    calls: list[list[ToolCall]], toolboxes: list[dict[str, Tool]], timeout: float | None = None
+) -> list[list[ToolResult]]:
+    """The result of each call of each episode (`calls[i]` against `toolboxes[i]`), in the same order; a call
+    still running after `timeout` seconds (None: no limit) is abandoned and answered as an error."""
     results: list[list[ToolResult | None]] = [[None] * len(episode) for episode in calls]
-    pending = []  # (episode, call index, name, coroutine factory)
+    jobs = []
     for i, (episode_calls, tools) in enumerate(zip(calls, toolboxes)):
+        in_order = []  # this episode's sync calls: (index, name, zero-argument callable)
         for j, call in enumerate(episode_calls):
             problem, bound = _bind(call, tools)
             if problem is not None:
                 results[i][j] = ToolResult(call.name, problem, error=True)
             elif tools[call.name].is_async:
-                pending.append((i, j, call.name, bound))
+                jobs.append(_async_call(results[i], j, call.name, bound, timeout))
             else:
-                results[i][j] = _run_sync(call.name, bound)
-    if pending:
-        for (i, j, name, _), result in zip(pending, _run_async([bound for *_, bound in pending])):
-            results[i][j] = _as_result(name, result)
+                in_order.append((j, call.name, bound))
+        if in_order:
+            jobs.append(_sync_calls(results[i], in_order, timeout))
+    if jobs:
+        async_loop.run(_all(jobs))
     return results
+
+
+async def _all(jobs) -> None:
+    await asyncio.gather(*jobs)
+
+
+async def _async_call(results: list, j: int, name: str, bound, timeout: float | None) -> None:
+    async def call():
+        return await bound()
+
+    results[j] = _as_result(name, await _within(asyncio.ensure_future(call()), timeout), timeout)
+
+
+async def _sync_calls(results: list, in_order: list, timeout: float | None) -> None:
+    loop = asyncio.get_running_loop()
+    for j, name, bound in in_order:
+        started = asyncio.Event()
+
+        def job(bound=bound, started=started):
+            loop.call_soon_threadsafe(started.set)
+            return bound()
+
+        future = loop.run_in_executor(async_loop.tool_pool(), job)
+        # The clock starts with the call; waiting for a free thread (all busy with abandoned calls) is bounded too.
+        waited = await _within(asyncio.ensure_future(started.wait()), timeout)
+        returned = _TIMED_OUT if waited is _TIMED_OUT else await _within(future, timeout)
+        if returned is _TIMED_OUT:
+            future.cancel()  # a call not started yet never runs
+        results[j] = _as_result(name, returned, timeout)
+
+
+async def _within(future: asyncio.Future, timeout: float | None):
+    """The future's result, its exception, or `_TIMED_OUT` (it is then cancelled: a thread runs on to its end)."""
+    done, _ = await asyncio.wait([future], timeout=timeout)
+    if not done:
+        future.cancel()
+        return _TIMED_OUT
+    return future.exception() or future.result()
 
 
 def _bind(call: ToolCall, tools: dict[str, Tool]):
     """(an error message or None, a zero-argument callable running the call)."""
+    if call.arguments is UNPARSED:
+        return "Error: the tool call could not be parsed (malformed markup or JSON); no tool was run.", None
     tool = tools.get(call.name)
     if tool is None:
         return f"Error: there is no tool named {call.name!r}; the tools are {sorted(tools)}.", None
@@ -69,24 +127,10 @@ def _bind(call: ToolCall, tools: dict[str, Tool]):
     return None, lambda: tool.function(**call.arguments)
 
 
-def _run_sync(name: str, run) -> ToolResult:
-    try:
-        returned = run()
-    except Exception as error:  # the tool's own failure is the model's to read, not the run's end
-        returned = error
-    return _as_result(name, returned)  # a non-finite turn reward is the tool's bug: it ends the run
-
-
-def _run_async(runs: list) -> list:
-    """Await every coroutine together; a raised exception is returned in place of its result."""
-
-    async def gather():
-        return await asyncio.gather(*(run() for run in runs), return_exceptions=True)
-
-    return call_reward_function(gather)  # awaits it, also from inside a running loop (a notebook)
-
-
-def _as_result(name: str, returned) -> ToolResult:
+def _as_result(name: str, returned, timeout: float | None = None) -> ToolResult:
+    if returned is _TIMED_OUT:
+        message = f"Error: {name} did not answer within {timeout:g} s; the call was abandoned."
+        return ToolResult(name, message, error=True, timed_out=True)
     if isinstance(returned, BaseException):
         return ToolResult(name, f"Error: {name} raised {type(returned).__name__}: {returned}", error=True)
     reward = 0.0

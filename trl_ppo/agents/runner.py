@@ -19,7 +19,7 @@ from ..models import context_length
 from ..rewards import Reward
 from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
 from .chat import ToolChat
-from .environments import Environments, environment_reward
+from .environments import Environments, close_environment, environment_reward, make_environment
 from .tools import schemas, toolbox
 from .turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
 
@@ -28,8 +28,10 @@ logger = logging.get_logger(__name__)
 ENVIRONMENT_REWARD = "environment"  # the name of the reward that `get_reward()` gives
 
 
-def check_agent_config(args, tools, environment_factory) -> None:
-    """Refuse `max_turns` / `max_tool_response_length` values that cannot work with the tools given."""
+def check_agent_config(args, tools, environment_factory, has_tools: bool | None = None) -> None:
+    """Refuse `max_turns` / `max_tool_response_length` values that cannot work with the tools given. `has_tools`:
+    whether the model has a tool to call (plain `tools`, or an environment's methods); default: any `tools` or
+    environments given."""
     if args.max_turns < 1:
         raise ValueError(f"`max_turns` must be at least 1, got {args.max_turns}.")
     if args.max_tool_response_length is not None and args.max_tool_response_length < 1:
@@ -37,7 +39,8 @@ def check_agent_config(args, tools, environment_factory) -> None:
             f"`max_tool_response_length` must be at least 1 (or None: no limit), got {args.max_tool_response_length}."
         )
     agentic = bool(tools) or environment_factory is not None
-    if agentic and args.max_turns < 2:
+    has_tools = agentic if has_tools is None else has_tools
+    if has_tools and args.max_turns < 2:
         raise ValueError(
             f"`tools` / `environment_factory` are given but `max_turns` is {args.max_turns}: the model's tool calls "
             "would never be answered. Set `max_turns` to 2 or more."
@@ -47,22 +50,31 @@ def check_agent_config(args, tools, environment_factory) -> None:
             f"`max_turns` is {args.max_turns} but there are no `tools` and no `environment_factory`: a turn after the "
             "first needs a tool answer. Pass `tools=` or `environment_factory=` to the trainer, or set `max_turns=1`."
         )
+    if not has_tools and args.max_turns > 1:
+        raise ValueError(
+            f"`max_turns` is {args.max_turns} but neither `tools` nor the environments' methods give the model a tool "
+            "to call: each episode is one response. Set `max_turns=1`, or give the environment public methods."
+        )
 
 
 class AgentRunner:
     """Multi-turn episodes with `tools` (plain functions) and/or an `environment_factory`; see the module."""
 
     def __init__(self, args, tokenizer, tools, environment_factory, stop_token_id: int | None, columns) -> None:
-        check_agent_config(args, tools, environment_factory)
         self.tokenizer, self.tools = tokenizer, list(tools or [])
         self.environments = None if environment_factory is None else Environments(environment_factory, columns)
-        makers = list(environment_factory.values()) if isinstance(environment_factory, Mapping) else []
-        makers = makers or ([environment_factory] if environment_factory is not None else [])
-        shown = {}  # every tool any episode may have, from one probe instance of each environment class
-        for maker in makers or [None]:
-            shown.update(toolbox(self.tools, None if maker is None else maker()))
-        self.chat = ToolChat(tokenizer, schemas(shown), stop_token_id) if (self.tools or makers) else None
-        self.has_environment_reward = any(hasattr(maker, "get_reward") for maker in makers)
+        makers = dict(environment_factory) if isinstance(environment_factory, Mapping) else {}
+        makers = makers or ({None: environment_factory} if environment_factory is not None else {})
+        shown = toolbox(self.tools)  # every tool any episode may have, from one probe instance of each environment
+        self.has_environment_reward = False
+        for name, maker in makers.items():
+            where = "`environment_factory`" if name is None else f"`environment_factory[{name!r}]`"
+            probe = make_environment(maker, where)
+            shown.update(toolbox(self.tools, probe))
+            self.has_environment_reward |= callable(getattr(probe, "get_reward", None))
+            close_environment(probe)
+        check_agent_config(args, tools, environment_factory, has_tools=bool(shown))
+        self.chat = ToolChat(tokenizer, schemas(shown), stop_token_id) if shown else None  # no tools: no parsing
         self.episodes: list[Episode] = []  # those of the latest rollout
 
     # ------------------------------------------------------------------------------------------ episodes
@@ -83,16 +95,23 @@ class AgentRunner:
         return episodes
 
     def _prompt(self, ids: list[int], prompt, tools, added: str | None) -> list[int]:
-        if self.chat is not None and is_conversational(prompt):
+        """The episode's prompt ids: chat messages rendered again with the episode's tools, `reset`'s text added to
+        the last message; plain text prompts (and chat prompts with nothing to add) as the dataset gave them."""
+        if is_conversational(prompt) and (tools or added):
             messages = copy.deepcopy(list(prompt))
             if added:
                 messages[-1]["content"] = f"{messages[-1]['content']}\n\n{added}"
             text = self.tokenizer.apply_chat_template(
-                messages, tools=schemas(tools), tokenize=False, add_generation_prompt=True,
+                messages, tools=schemas(tools) or None, tokenize=False, add_generation_prompt=True,
                 chat_template=None if self.chat is None else self.chat.chat_template,  # a swapped-in training copy
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
         return ids + (self.tokenizer.encode(added, add_special_tokens=False) if added else [])
+
+    def close_environments(self, batch: dict) -> None:
+        """Close the environments of a scored batch (`environments.close_environment`)."""
+        for environment in batch.get("environments") or []:
+            close_environment(environment)
 
     def collect(self, batch: dict, models, sampling: Sampling, args) -> Rollout:
         """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`.
@@ -107,6 +126,7 @@ class AgentRunner:
             args.max_turns,
             args.response_length,
             args.max_tool_response_length,
+            tool_timeout=args.tool_timeout,
             any_process=(lambda flag: not dist.all_processes(not flag, device)) if sync else None,
             idle_context=[sampling.pad_token_id],
         )
@@ -123,6 +143,7 @@ class AgentRunner:
     @torch.no_grad()
     def metrics(self, rollout: Rollout, accelerator) -> dict[str, float]:
         """`env/turns_mean`, `env/tool_calls_mean` (per episode), `env/tool_errors` (failed calls this update),
+        `env/tool_timeouts` (of those, calls abandoned after `tool_timeout` seconds),
         `env/truncated_frac` (episodes cut by the budget or `max_turns`), `env/truncated_tool_responses` and
         `val/env_token_frac` (of the tokens after the prompts, those of tools and environments), over all
         processes."""
@@ -133,6 +154,7 @@ class AgentRunner:
             sum(e.turns for e in episodes),
             sum(e.tool_calls for e in episodes),
             sum(e.tool_errors for e in episodes),
+            sum(e.tool_timeouts for e in episodes),
             sum(e.truncated for e in episodes),
             sum(e.truncated_answers for e in episodes),
             len(episodes),
@@ -140,11 +162,12 @@ class AgentRunner:
             float(rollout.attended_responses.sum()),
         ]
         total = accelerator.gather(torch.tensor([counts], dtype=torch.float64, device=accelerator.device)).sum(0)
-        turns, calls, errors, truncated, cut, count, env_tokens, tokens = total.tolist()
+        turns, calls, errors, timeouts, truncated, cut, count, env_tokens, tokens = total.tolist()
         return {
             "env/turns_mean": turns / max(count, 1),
             "env/tool_calls_mean": calls / max(count, 1),
             "env/tool_errors": errors,
+            "env/tool_timeouts": timeouts,
             "env/truncated_frac": truncated / max(count, 1),
             "env/truncated_tool_responses": cut,
             "val/env_token_frac": env_tokens / max(tokens, 1),
@@ -189,9 +212,11 @@ def turn_sampler(models, sampling: Sampling) -> TurnSampler:
     return sample_turn
 
 
-def agent_runner(args, tokenizer, tools, environment_factory, rewards: list[Reward], train_dataset):
+def agent_runner(args, tokenizer, tools, environment_factory, rewards: list[Reward], train_dataset,
+                 reward_model_given: bool = True):
     """The trainer's `AgentRunner`, or None for single-turn sampling (no tools, no environments, `max_turns=1`);
-    the environments' `get_reward()` joins `rewards` as the reward named "environment"."""
+    the environments' `get_reward()` joins `rewards` as the reward named "environment" (it may be the only one).
+    `reward_model_given`: whether `reward_model` was given (an empty list then needs a `get_reward`)."""
     if not tools and environment_factory is None:
         check_agent_config(args, tools, environment_factory)
         return None
@@ -201,4 +226,9 @@ def agent_runner(args, tokenizer, tools, environment_factory, rewards: list[Rewa
     reward = runner.environment_reward()
     if reward is not None:
         rewards.append(reward)
+    elif environment_factory is not None and reward_model_given and not rewards:
+        raise ValueError(
+            "`reward_model` is an empty list and no environment of `environment_factory` defines `get_reward`: the "
+            "episodes would have no score. Give a reward model or function, or a `get_reward()` method."
+        )
     return runner

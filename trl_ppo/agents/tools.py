@@ -4,6 +4,7 @@ JSON schema that chat templates take (`apply_chat_template(..., tools=...)`), ma
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,13 +41,22 @@ def make_tool(function: Callable, where: str) -> Tool:
     return Tool(schema["function"]["name"], function, schema)
 
 
+NOT_TOOLS = ("reset", "get_reward", "close")  # what the trainer calls, never the model
+
+
 def public_methods(instance) -> list[Callable]:
-    """The tools an environment offers: its public methods (bound to it), except `reset` and `get_reward`."""
+    """The tools an environment offers: its public bound methods, as TRL takes them (`inspect.ismethod`), except
+    `reset`, `get_reward` and `close`. Static methods, callable class attributes and classes are not tools, and no
+    property is read to find them."""
     methods = []
-    for name, _ in inspect.getmembers(type(instance), callable):
-        if name.startswith("_") or name in ("reset", "get_reward"):
+    for name in dir(instance):
+        if name.startswith("_") or name in NOT_TOOLS:
             continue
-        methods.append(getattr(instance, name))
+        if isinstance(inspect.getattr_static(instance, name), (property, functools.cached_property)):
+            continue  # reading it would run its code
+        member = getattr(instance, name)
+        if inspect.ismethod(member):
+            methods.append(member)
     return methods
 
 

@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ..data import LeftPaddingCollator
 from ..rollout import Rollout
 from .chat import ToolChat
-from .execution import ToolCall, ToolResult, execute_calls
+from .execution import ToolCall, ToolResult, execute_calls, unparsed_call
 from .tools import Tool
 
 # sample_turn(contexts, max_new_tokens) -> the model's turn after each context: ids up to and including its stop
@@ -38,6 +38,7 @@ class Episode:
     turn_rewards: list[float] = field(default_factory=list)  # one per model turn
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0  # calls abandoned after `tool_timeout` seconds (counted in `tool_errors` too)
     truncated_answers: int = 0  # tool answers cut to `max_tool_response_length`
     truncated: bool = False  # ended by the budget (or by `max_turns`) with the model still working
     done: bool = False
@@ -60,9 +61,11 @@ def run_turns(
     max_tool_response_length: int | None = None,
     any_process: Callable[[bool], bool] | None = None,
     idle_context: list[int] | None = None,
+    tool_timeout: float | None = None,
 ) -> list[Episode]:
     """Play `episodes` to their end (see the module's docstring), at most `max_turns` turns of the model each and
-    `budget` tokens after each prompt. Every active episode samples in the same call of `sample_turn` per turn.
+    `budget` tokens after each prompt. Every active episode samples in the same call of `sample_turn` per turn; a
+    tool call still running after `tool_timeout` seconds is answered as an error.
 
     `any_process(flag)`: whether `flag` holds on some process; given where sampling is a collective (ZeRO-3), so
     that a process whose episodes all ended keeps sampling (one token after `idle_context`) while others play on."""
@@ -82,7 +85,8 @@ def run_turns(
                 episode.done = episode.truncated = True  # its calls would never be answered
             elif calls is not None:
                 calling.append((episode, calls))
-        results = execute_calls([calls for _, calls in calling], [episode.tools for episode, _ in calling])
+        toolboxes = [episode.tools for episode, _ in calling]
+        results = execute_calls([calls for _, calls in calling], toolboxes, tool_timeout)
         for (episode, _), answers in zip(calling, results):
             _add_tool_answers(episode, answers, chat, budget, max_tool_response_length)
     return episodes
@@ -100,7 +104,7 @@ def _add_model_turn(episode: Episode, ids: list[int], chat: ToolChat | None, bud
         return None
     calls, failed = chat.parse_tool_calls(ids, prefix)
     if failed:  # markup the parser cannot read: the model is told, as one failed call
-        calls = [ToolCall("", None)]
+        calls = [unparsed_call()]
     if not calls:
         episode.done = True
         return None
@@ -116,6 +120,7 @@ def _add_tool_answers(
     """Append a turn's tool answers (ended instead when they would leave no room for the model)."""
     episode.tool_calls += len(answers)
     episode.tool_errors += sum(answer.error for answer in answers)
+    episode.tool_timeouts += sum(answer.timed_out for answer in answers)
     episode.turn_rewards[-1] += sum(answer.reward for answer in answers)
     answer = chat.answer_ids(answers, max_tokens)
     episode.truncated_answers += answer.truncated
@@ -142,6 +147,13 @@ def episodes_rollout(episodes: list[Episode], pad_token_id: int, response_length
     attended = padded([[True] * len(episode.response) for episode in episodes], False, torch.bool)
     turns = max(episode.turns for episode in episodes)
     turn_rewards = torch.tensor([e.turn_rewards + [0.0] * (turns - e.turns) for e in episodes], device=device)
+    truncated = torch.tensor([episode.truncated for episode in episodes], device=device)
     return Rollout(
-        queries, query_mask, responses, response_mask, response_attention_mask=attended, turn_rewards=turn_rewards
+        queries,
+        query_mask,
+        responses,
+        response_mask,
+        response_attention_mask=attended,
+        turn_rewards=turn_rewards,
+        truncated=truncated,
     )

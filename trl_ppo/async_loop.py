@@ -1,0 +1,69 @@
+"""One event loop for the whole run, on a daemon thread, as TRL's GRPOTrainer has: every coroutine of a run (async
+tools, an environment's async `reset` / `get_reward` / `close`, async reward functions) is awaited on it, so what one
+of them made on the loop (a lock, an HTTP session, a subprocess) still works at the next turn and the next update.
+A fresh loop per call (`asyncio.run`) would break those with "attached to a different loop".
+
+Sync tools run in a bounded thread pool (`tool_pool`), so that the calls of several episodes overlap and a call
+that never returns can be abandoned after a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import threading
+
+# Sync tool calls running at once (over all episodes of a process). A call abandoned after its timeout keeps its
+# thread until it returns: a bound, so that hung tools cannot pile up threads without limit.
+TOOL_WORKERS = 16
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The run's event loop, started on a daemon thread at the first call."""
+    global _loop, _thread
+    with _lock:
+        if _loop is None or _loop.is_closed() or _thread is None or not _thread.is_alive():
+            loop, ready = asyncio.new_event_loop(), threading.Event()
+
+            def serve() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            _thread = threading.Thread(target=serve, name="trl_ppo-event-loop", daemon=True)
+            _thread.start()
+            ready.wait()
+            _loop = loop
+    return _loop
+
+
+def tool_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The bounded thread pool the sync tools run in (`TOOL_WORKERS` threads)."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="trl_ppo-tool")
+    return _pool
+
+
+def run(awaitable):
+    """Await `awaitable` on the run's loop and return its result (its exception is raised here). Callable from any
+    thread but the loop's own, a notebook's running loop included."""
+    loop = event_loop()
+    if threading.current_thread() is _thread:
+        raise RuntimeError("A coroutine of the run awaited another one synchronously on the run's own event loop.")
+    return asyncio.run_coroutine_threadsafe(_await(awaitable), loop).result()
+
+
+def resolve(value):
+    """`value`, or what it resolves to when it is awaitable (what an `async def` method returned)."""
+    return run(value) if inspect.isawaitable(value) else value
+
+
+async def _await(awaitable):
+    return await awaitable
