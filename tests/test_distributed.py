@@ -241,6 +241,16 @@ def test_fsdp2_trains_sharded_and_saves_a_full_model(tmp_path, extensions_dir):
     assert all(0 < count <= policy_units + 2 for count in reports[0]["sampling_gathers"])
 
 
+def test_fsdp2_bf16_keeps_float32_log_probs_and_the_reference_in_the_policys_precision(tmp_path, extensions_dir):
+    # FSDP2 gathers and computes in bf16; the log-probs and values leave the sharded models in float32 (accelerate's
+    # policy would cast them to bf16), and the reference, sharded apart, computes exactly as the policy (KL 0).
+    report_dir = tmp_path / "fsdp2_bf16"
+    reports = launch("fsdp2", report_dir, extensions_dir=extensions_dir, accelerate_flags=["--mixed_precision", "bf16"])
+    check_ranks_agree(reports, report_dir)
+    assert reports[0]["log_history"][0]["objective/kl"] == 0.0
+    assert reports[0]["output_dtypes"] == {"logprobs": "torch.float32", "values": "torch.float32", "ref": "torch.float32"}
+
+
 def test_fsdp2_samples_from_sharded_weights(tmp_path, extensions_dir):
     # ds3_gather_for_generation=False: each block's weights are gathered at each sampled token (the processes stepping
     # together until all their responses stopped). With a value head on the policy's backbone.

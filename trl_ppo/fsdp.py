@@ -12,6 +12,7 @@ which runs them as a forward of the root.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from collections.abc import Callable
 
@@ -39,6 +40,16 @@ def check_settings(accelerator) -> None:
             "then load the policy without its weights, and the reference copied from it would have none. Set it to "
             "false in the accelerate config's `fsdp_config` (examples/accelerate_configs/fsdp2.yaml)."
         )
+
+
+def keep_float32_outputs(accelerator) -> None:
+    """Under FSDP2 with mixed precision, let sharded roots return their outputs as computed: accelerate's policy casts
+    them to the compute dtype (`output_dtype`), which would round the float32 log-probs and values of the wrapper
+    and of the reference to bf16 (and the PPO ratio with them). Call before `accelerator.prepare`."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if fsdp_version(accelerator) == 2 and getattr(policy, "output_dtype", None) is not None:
+        plugin.mixed_precision_policy = dataclasses.replace(policy, output_dtype=None)
 
 
 def _call(self: nn.Module, function: Callable, *args, **kwargs):

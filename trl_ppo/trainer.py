@@ -128,6 +128,7 @@ class PPOTrainer(OnPolicyTrainer):
         fsdp_version = fsdp.fsdp_version(accelerator)
         dist.check_supported(args, self.is_deepspeed_enabled, fsdp_version, stage, shares_layers)
         fsdp.check_settings(accelerator)
+        fsdp.keep_float32_outputs(accelerator)
         self.sampling_backend = resolve_backend(
             args.generation_backend, accelerator.device, stage, self.is_peft_model, fsdp2=fsdp_version == 2
         )

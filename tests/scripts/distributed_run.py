@@ -110,6 +110,21 @@ def shard_sizes(trainer) -> dict:
     return sizes
 
 
+def output_dtypes(trainer) -> dict:
+    """The dtypes of the log-probs and values the policy-and-value wrapper returns, and of the reference's log-probs
+    (on every process: a collective under ZeRO-3 and FSDP2)."""
+    from trl_ppo.fsdp import root_call
+    from trl_ppo.logprobs import response_logprobs
+
+    models = trainer._models()
+    ids = torch.tensor([[5, 6, 7, 8, 9]], device=trainer.accelerator.device)
+    inputs = (ids, torch.ones_like(ids), ids[:, -2:], 1.0)
+    with torch.no_grad(), trainer.accelerator.autocast():
+        output = models.wrapper(*inputs)
+        reference = root_call(models.ref_model, response_logprobs, *inputs)
+    return {"logprobs": str(output.logprobs.dtype), "values": str(output.values.dtype), "ref": str(reference.logprobs.dtype)}
+
+
 def main() -> None:
     run_args, config = HfArgumentParser((RunArgs, PPOConfig)).parse_args_into_dataclasses()
     tokenizer = build_word_tokenizer()
@@ -151,6 +166,7 @@ def main() -> None:
         "sampling_gathers": sampling_gathers,
         "policy_tensors": len(list(trainer.accelerator.unwrap_model(trainer.model).lm.parameters())),
         "shards": shard_sizes(trainer),
+        "output_dtypes": output_dtypes(trainer),
     }
     with open(os.path.join(run_args.report_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle)
