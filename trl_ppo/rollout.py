@@ -221,10 +221,9 @@ def reference_output(episodes: Rollout, models: PreparedModels, args, keep_logit
     """`ref_logprobs` `[B, T]` of the episodes' responses under the reference (and its logits, with
     `keep_logits`): `models.ref_model`, or the PEFT policy with its adapter disabled."""
     inputs = (episodes.input_ids, episodes.attention_mask, episodes.responses, args.temperature)
+    options = {"chunk_size": args.logprobs_chunk_size, "keep_logits": keep_logits}
     if models.ref_model is not None:  # `root_call`: under FSDP2 its parts run as one forward of its root
-        return root_call(models.ref_model, response_logprobs, *inputs, args.logprobs_chunk_size, keep_logits=keep_logits)
+        return root_call(models.ref_model, response_logprobs, *inputs, **options)
     wrapper = models.wrapper
     with peft_reference(wrapper.lm, args.ref_adapter_name, args.model_adapter_name):
-        return root_call(
-            wrapper, lambda module: response_logprobs(module.lm, *inputs, args.logprobs_chunk_size, keep_logits=keep_logits)
-        )
+        return root_call(wrapper, lambda module: response_logprobs(module.lm, *inputs, **options))

@@ -52,7 +52,8 @@ def full_weights(trainer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True)  # on every process
-        return {name: tensor.detach().cpu().clone() for name, tensor in get_model_state_dict(wrapper, options=options).items()}
+        state_dict = get_model_state_dict(wrapper, options=options)
+        return {name: tensor.detach().cpu().clone() for name, tensor in state_dict.items()}
     gathered = contextlib.nullcontext()
     if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
         import deepspeed
@@ -122,7 +123,8 @@ def output_dtypes(trainer) -> dict:
     with torch.no_grad(), trainer.accelerator.autocast():
         output = models.wrapper(*inputs)
         reference = root_call(models.ref_model, response_logprobs, *inputs)
-    return {"logprobs": str(output.logprobs.dtype), "values": str(output.values.dtype), "ref": str(reference.logprobs.dtype)}
+    tensors = {"logprobs": output.logprobs, "values": output.values, "ref": reference.logprobs}
+    return {name: str(tensor.dtype) for name, tensor in tensors.items()}
 
 
 def main() -> None:
