@@ -160,6 +160,7 @@ def measure(cli) -> dict:
     else:
         from trl_ppo import PPOConfig, PPOTrainer
         from trl_ppo.distributed import deepspeed_zero_stage
+        from trl_ppo.fsdp import fsdp_version
 
         config = PPOConfig(**common, ddp_backend=cli.ddp_backend, **parse_flags(cli.trl_ppo_flags))
         ref_model = None  # trl_ppo copies the policy too
@@ -200,6 +201,7 @@ def measure(cli) -> dict:
         "scores": [round(s, 5) for s in log.scores],
         "processes": world,
         "deepspeed_zero_stage": deepspeed_zero_stage(trainer.accelerator) if cli.trainer == "trl_ppo" else None,
+        "fsdp_version": fsdp_version(trainer.accelerator) if cli.trainer == "trl_ppo" else None,
         "trl_ppo_flags": cli.trl_ppo_flags if cli.trainer == "trl_ppo" else "",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),

@@ -14,6 +14,14 @@
 #      copied to $OUT, and the speed table of this round is printed
 #   3. benchmark/gpu_sampling.py: sampling alone: 1b bf16, 64 prompts, each generation backend: $OUT/sampling_h200.jsonl
 #   4. the `trl-ppo` default job (`make demo`) on CUDA in bf16: does it finish, and its last metrics
+#   5. only when GPU_CHECK_STEPS names it (its own call: steps 2-4 already fill the deadline):
+#      run(command="GPU_CHECK_STEPS=fsdp2 GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", timeout_s=540)
+#      trl_ppo at 1b bf16 under FSDP2 (examples/accelerate_configs/fsdp2.yaml) and under plain DDP, one process per
+#      GPU in both, 3 measured updates each: episodes/s and the peak CUDA memory of process 0, in
+#      $OUT/fsdp2_1b.jsonl and printed as a table. On one GPU FSDP2 shards over one process (no saving is
+#      expected: it checks that FSDP2 trains at 1b on CUDA, and what its bookkeeping costs); with 2+ GPUs the
+#      memory column is the sharding's saving.
+# GPU_CHECK_STEPS: the steps to run among "bench sampling demo fsdp2" (default: "bench sampling demo").
 # Plumbing check on a CPU (tiny shapes, a short demo; writes under /tmp only):
 #   GPU_CHECK_SMOKE=1 PYTHON=.venv/bin/python bash benchmark/gpu_check.sh
 set -uo pipefail
@@ -35,6 +43,7 @@ else
     DEMO_ARGS=(--use_cpu false)
 fi
 OUT="${OUT:-/tmp/gpu_check_out}"
+STEPS=" ${GPU_CHECK_STEPS:-bench sampling demo} "
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRL_PPO_RESULTS="$RESULTS"
 FAILED=()
@@ -82,6 +91,21 @@ main() {
 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name(), \
 '| transformers', transformers.__version__, '| accelerate', accelerate.__version__)"
 
+    [[ "$STEPS" == *" bench "* ]] && bench_steps
+    [[ "$STEPS" == *" sampling "* ]] && sampling_step
+    [[ "$STEPS" == *" demo "* ]] && demo_steps
+    [[ "$STEPS" == *" fsdp2 "* ]] && fsdp2_steps
+
+    echo
+    echo "=== done in $SECONDS s; commit $GIT_COMMIT; steps:$STEPS; results: $RESULTS, $OUT/"
+    if ((${#FAILED[@]})); then
+        printf '=== FAILED steps: %s\n' "${FAILED[@]}"
+        return 1
+    fi
+    echo "=== all steps ok"
+}
+
+bench_steps() {
     # 2. trl_ppo and TRL side by side; rows appended to $RESULTS
     local before trainers=(trl_ppo trl)
     before=$( (cat "$RESULTS" 2>/dev/null || true) | wc -l)
@@ -111,14 +135,18 @@ print(f"{len(rows) - before} rows of this round in {path}:")
 print(bench_ppo.speed_table(rows[before:]) if rows[before:] else "(none)")
 EOF
     cp "$RESULTS" "$OUT/" 2>/dev/null || echo "(no $RESULTS to copy)"
+}
 
+sampling_step() {
     # 3. sampling alone, every backend
     step sampling 150 "$PYTHON" benchmark/gpu_sampling.py --precision bf16 "${SAMPLING_ARGS[@]}" \
         --results "$OUT/sampling_h200.jsonl"
     if [ -f "$OUT/sampling_h200.jsonl" ]; then  # name the commit, as the bench rows do
         sed -i "s/}\$/, \"commit\": \"$GIT_COMMIT\"}/" "$OUT/sampling_h200.jsonl"
     fi
+}
 
+demo_steps() {
     # 4. the default job on the GPU in bf16
     rm -rf /tmp/gpu_check_demo
     step demo 120 "$PYTHON" -m trl_ppo train --output_dir /tmp/gpu_check_demo --bf16 true --disable_tqdm true \
@@ -126,14 +154,38 @@ EOF
     step demo-metrics 30 "$PYTHON" -c "import json; history = json.load(open('/tmp/gpu_check_demo/trainer_state.json'))\
 ['log_history']; print('log entries:', len(history)); print('last metrics:', \
 json.dumps([h for h in history if 'objective/scores' in h][-1]))"
+}
 
-    echo
-    echo "=== done in $SECONDS s; commit $GIT_COMMIT; results: $RESULTS, $OUT/sampling_h200.jsonl"
-    if ((${#FAILED[@]})); then
-        printf '=== FAILED steps: %s\n' "${FAILED[@]}"
-        return 1
-    fi
-    echo "=== all steps ok"
+fsdp2_steps() {
+    # 5. FSDP2 against plain DDP at 1b bf16, one process per GPU in both; process 0 measures in place (--worker) and
+    # prints the row. Both sample with 'kv_cache' (what 'auto' gives under FSDP2): the peaks differ by the layout.
+    local gpus shape=1b rows="$OUT/fsdp2_1b.jsonl" layout launch
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || gpus=1
+    if [ "$SMOKE" = 1 ]; then shape=tiny; fi  # on a CPU accelerate runs no FSDP: the rows say fsdp_version null
+    rm -f "$rows"
+    for layout in ddp fsdp2; do
+        launch=(--num_processes "$gpus" --mixed_precision bf16)
+        if [ "$layout" = fsdp2 ]; then
+            launch+=(--config_file examples/accelerate_configs/fsdp2.yaml)
+        elif ((gpus > 1)); then
+            launch+=(--multi_gpu)
+        fi
+        step "fsdp2-check $shape bf16 $layout x$gpus" 200 bash -c "set -o pipefail; \"\$0\" -m \
+accelerate.commands.launch ${launch[*]} benchmark/bench_ppo.py --worker trl_ppo --shape $shape --precision bf16 \
+--updates $UPDATES --trl_ppo_flags 'train_forward_batch_size=64 generation_backend=kv_cache' | grep '^{\"' | \
+tee -a \"$rows\"" "$PYTHON"
+    done
+    step fsdp2-table 30 "$PYTHON" - "$rows" "$GIT_COMMIT" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print(f"commit {sys.argv[2]}")
+print("| layout | processes | device | episodes/s | peak GiB (process 0) |")
+print("|---|---|---|---|---|")
+for row in rows:
+    layout = "FSDP2" if row.get("fsdp_version") == 2 else "DDP" if row["processes"] > 1 else "one process (no DDP)"
+    print(f"| {layout} | {row['processes']} | {row['device']} | {row['episodes_per_second']} | "
+          f"{row['peak_memory_gib']} |")
+EOF
 }
 
 main 2>&1 | tee "$OUT/log.txt"

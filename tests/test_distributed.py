@@ -1,5 +1,6 @@
-"""Several processes on the CPU: DDP over gloo and DeepSpeed ZeRO-2/3, each launched with `accelerate launch` and
-the shipped configs in examples/accelerate_configs/, running tests/scripts/distributed_run.py.
+"""Several processes on the CPU: DDP over gloo, DeepSpeed ZeRO-2/3 and FSDP2, each launched with `accelerate launch`
+and the shipped configs in examples/accelerate_configs/, running tests/scripts/distributed_run.py. accelerate turns
+FSDP on only on GPUs: the FSDP2 runs let it shard over gloo on the CPU (tests/scripts/fsdp2_on_cpu.py).
 
 Run alone with `pytest -m distributed`; skip with `pytest -m "not distributed"`.
 """
@@ -22,10 +23,14 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "distributed_run.py"
 CONFIGS = ROOT / "examples" / "accelerate_configs"
-LAUNCH = {  # how each layout is launched: accelerate config, extra environment, script flags
-    "ddp": ("multi_cpu.yaml", {"ACCELERATE_USE_CPU": "true"}, []),
-    "zero2": ("deepspeed_zero2_cpu.yaml", {}, ["--ddp_backend", "gloo"]),
-    "zero3": ("deepspeed_zero3_cpu.yaml", {}, ["--ddp_backend", "gloo"]),
+FSDP2_ON_CPU = ({"TRL_PPO_TEST_FSDP2_ON_CPU": "1"}, ["--ddp_backend", "gloo"])
+FSDP2_FLAGS = ["--num_processes", "2", "--mixed_precision", "no"]  # the GPU config, on two CPU processes
+LAUNCH = {  # how each layout is launched: accelerate config, extra environment, script flags, accelerate flags
+    "ddp": ("multi_cpu.yaml", {"ACCELERATE_USE_CPU": "true"}, [], []),
+    "zero2": ("deepspeed_zero2_cpu.yaml", {}, ["--ddp_backend", "gloo"], []),
+    "zero3": ("deepspeed_zero3_cpu.yaml", {}, ["--ddp_backend", "gloo"], []),
+    "fsdp2": ("fsdp2.yaml", *FSDP2_ON_CPU, FSDP2_FLAGS),  # checkpoints: SHARDED_STATE_DICT
+    "fsdp2_full": ("fsdp2.yaml", *FSDP2_ON_CPU, [*FSDP2_FLAGS, "--fsdp_state_dict_type", "FULL_STATE_DICT"]),
 }
 # Two updates of a global batch of 16 (2 processes x 4 per device x 2 accumulation steps).
 RUN_FLAGS = [
@@ -62,7 +67,7 @@ def free_port() -> int:
 def launch(
     layout: str, report_dir: Path, *flags: str, extensions_dir: str, accelerate_flags=(), timeout: int = 240
 ) -> list[dict]:
-    """Run the script in 2 processes with `layout` ("ddp", "zero2", "zero3"), or in 1 plain process ("single");
+    """Run the script in 2 processes with `layout` (a key of `LAUNCH`), or in 1 plain process ("single");
     -> each process's report (see distributed_run.py)."""
     env = dict(
         os.environ,
@@ -75,10 +80,11 @@ def launch(
     if layout == "single":
         command = [sys.executable, *script]
     else:
-        config, extra_env, layout_flags = LAUNCH[layout]
+        config, extra_env, layout_flags, layout_accelerate_flags = LAUNCH[layout]
         env.update(extra_env)
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]
-        command += ["--main_process_port", str(free_port()), *accelerate_flags, *script, *layout_flags]
+        command += ["--main_process_port", str(free_port()), *layout_accelerate_flags, *accelerate_flags]
+        command += [*script, *layout_flags]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     reports = sorted(report_dir.glob("rank*.json"))
@@ -208,7 +214,59 @@ def test_zero3_samples_from_partitioned_weights(tmp_path, extensions_dir):
     assert all(count > 4 * reports[0]["policy_tensors"] for count in reports[0]["sampling_gathers"])
 
 
-@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3"])
+def check_sharded(report: dict, models=("policy", "value_model", "ref")) -> None:
+    """Each of `models` is split into FSDP2 units, and this process holds about half of its weights."""
+    for role in models:
+        local, full, units = report["shards"][role]
+        assert units >= 2 and 0.4 * full < local < 0.6 * full, (role, report["shards"][role])
+
+
+def test_fsdp2_trains_sharded_and_saves_a_full_model(tmp_path, extensions_dir):
+    # Policy, value model and reference each sharded over the two processes; the reference, sharded apart from the
+    # policy, gives the same log-probs as the policy before the first step (KL 0); sampling gathers the policy's
+    # units once per rollout, not at every token; `save_model` writes the whole policy.
+    report_dir = tmp_path / "fsdp2"
+    flags = [*STOP_AT_EOS, "--final_model_dir", str(tmp_path / "saved")]
+    reports = launch("fsdp2", report_dir, *flags, extensions_dir=extensions_dir)
+    check_ranks_agree(reports, report_dir)
+    for report in reports:
+        check_sharded(report)
+    assert reports[0]["global_step"] == 2
+    assert reports[0]["log_history"][0]["objective/kl"] == 0.0
+    final = weights(report_dir)
+    assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
+    assert max_difference(final, initial_weights(report_dir), "value_model.") > 1e-4
+    check_saved_model(tmp_path / "saved", final)
+    policy_units = reports[0]["shards"]["policy"][2]
+    assert all(0 < count <= policy_units + 2 for count in reports[0]["sampling_gathers"])
+
+
+def test_fsdp2_bf16_keeps_float32_log_probs_and_the_reference_in_the_policys_precision(tmp_path, extensions_dir):
+    # FSDP2 gathers and computes in bf16; the log-probs and values leave the sharded models in float32 (accelerate's
+    # policy would cast them to bf16), and the reference, sharded apart, computes exactly as the policy (KL 0).
+    report_dir = tmp_path / "fsdp2_bf16"
+    reports = launch("fsdp2", report_dir, extensions_dir=extensions_dir, accelerate_flags=["--mixed_precision", "bf16"])
+    check_ranks_agree(reports, report_dir)
+    assert reports[0]["log_history"][0]["objective/kl"] == 0.0
+    assert set(reports[0]["output_dtypes"].values()) == {"torch.float32"}  # log-probs, values, reference log-probs
+
+
+def test_fsdp2_samples_from_sharded_weights(tmp_path, extensions_dir):
+    # ds3_gather_for_generation=False: each block's weights are gathered at each sampled token (the processes stepping
+    # together until all their responses stopped). With a value head on the policy's backbone.
+    report_dir = tmp_path / "fsdp2_sharded_sampling"
+    flags = [*STOP_AT_EOS, "--ds3_gather_for_generation", "false", "--value", "head"]
+    reports = launch("fsdp2", report_dir, *flags, extensions_dir=extensions_dir)
+    check_ranks_agree(reports, report_dir)
+    check_sharded(reports[0], ("policy", "ref"))
+    final = weights(report_dir)
+    assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
+    assert any(k.startswith("policy.v_head.") for k in final)
+    policy_units = reports[0]["shards"]["policy"][2]
+    assert all(count > 4 * policy_units for count in reports[0]["sampling_gathers"])  # 8 sampled tokens
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "fsdp2", "fsdp2_full"])
 def test_two_process_run_resumes_from_its_checkpoint(tmp_path, extensions_dir, layout):
     # Run A: 4 updates with a checkpoint every 2. Run B: a new output_dir holding only A's checkpoint-2, resumed.
     # B's last two updates repeat A's: same metrics and the same final weights.

@@ -172,14 +172,53 @@ def test_what_the_launch_configuration_cannot_do_is_refused(make_config):
 
     config = make_config(early_stopping=True, ratio_threshold=2.0)
     with pytest.raises(ValueError, match=r"`early_stopping`, `ratio_threshold` cannot be used under DeepSpeed"):
-        check_supported(config, deepspeed_enabled=True, fsdp_enabled=False)
-    check_supported(config, deepspeed_enabled=False, fsdp_enabled=False)  # both work without DeepSpeed
-    check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False)
-    with pytest.raises(ValueError, match=r"FSDP is not supported.*deepspeed_zero3\.yaml"):
-        check_supported(make_config(), deepspeed_enabled=False, fsdp_enabled=True)
+        check_supported(config, deepspeed_enabled=True)
+    check_supported(config, deepspeed_enabled=False)  # both work without DeepSpeed
+    check_supported(config, deepspeed_enabled=False, fsdp_version=2)  # and under FSDP2 (trl_ppo steps itself)
+    check_supported(make_config(), deepspeed_enabled=True)
+    with pytest.raises(ValueError, match=r"FSDP version 1 is not supported.*`fsdp_version: 2`.*fsdp2\.yaml"):
+        check_supported(make_config(), deepspeed_enabled=False, fsdp_version=1)
     with pytest.raises(ValueError, match=r"ZeRO-3 the reference cannot share layers.*num_shared_layers=None"):
-        check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False, zero_stage=3, shared_reference=True)
-    check_supported(make_config(), deepspeed_enabled=True, fsdp_enabled=False, zero_stage=2, shared_reference=True)
+        check_supported(make_config(), deepspeed_enabled=True, zero_stage=3, shared_reference=True)
+    with pytest.raises(ValueError, match=r"FSDP2 the reference cannot share layers.*num_shared_layers=None"):
+        check_supported(make_config(), deepspeed_enabled=False, fsdp_version=2, shared_reference=True)
+    check_supported(make_config(), deepspeed_enabled=True, zero_stage=2, shared_reference=True)
+
+
+def test_fsdp2_settings_that_cannot_work_are_refused():
+    from types import SimpleNamespace
+
+    from trl_ppo.fsdp import check_settings
+
+    def accelerator(**plugin):
+        return SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(**plugin)))
+
+    with pytest.raises(ValueError, match=r"`fsdp_cpu_ram_efficient_loading: true` is not supported.*Set it to false"):
+        check_settings(accelerator(fsdp_version=2, cpu_ram_efficient_loading=True))
+    check_settings(accelerator(fsdp_version=2, cpu_ram_efficient_loading=False))
+    check_settings(SimpleNamespace(state=SimpleNamespace()))  # no FSDP
+
+
+@pytest.mark.parametrize(
+    "written, files, launched",
+    [
+        ("DeepSpeed", ["global_step2/mp_rank_00_model_states.pt"], None),
+        ("FSDP", ["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "scheduler.pt"], None),
+        ("FSDP", ["pytorch_model_fsdp.bin", "optimizer.bin", "scheduler.pt"], "DeepSpeed"),
+        (None, ["optimizer.pt", "scheduler.pt"], "FSDP"),
+    ],
+)
+def test_a_checkpoint_resumes_only_under_the_layout_that_wrote_it(tmp_path, written, files, launched):
+    from trl_ppo.checkpoint import read_run_state
+    from trl_ppo.checkpoint.folders import PPO_STATE_NAME, write_json
+
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    write_json(str(tmp_path / PPO_STATE_NAME), {"identity": {"config": {}}, "kl_coef": 0.1})
+    with pytest.raises(ValueError, match=rf"was written {'with ' + written if written else 'without'}.*launched"):
+        read_run_state(str(tmp_path), {"config": {}}, launched)
+    assert read_run_state(str(tmp_path), {"config": {}}, written) == {"kl_coef": 0.1}
 
 
 def test_no_reference_can_be_copied_from_a_policy_partitioned_at_load(load_models):

@@ -1,5 +1,5 @@
-"""Several processes and DeepSpeed: the process group, per-process seeds, DeepSpeed's batch layout, the frozen
-models under ZeRO-3, and the policy's weights gathered for sampling.
+"""Several processes, DeepSpeed and FSDP2: the process group, per-process seeds, DeepSpeed's batch layout, the
+frozen models under ZeRO-3 and FSDP2 (`fsdp.py`), and the policy's weights gathered for sampling.
 
 Everything here is a no-op in a single process without DeepSpeed, so the trainer calls it unconditionally.
 """
@@ -15,6 +15,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from . import fsdp
+
 # Process i samples with seed `seed + i * PROCESS_SEED_STRIDE`: the processes draw different responses to their
 # different prompts, while the data order (seeded by `seed` alone) is the same everywhere. A large prime keeps the
 # seeds of runs with neighbouring `seed` values apart.
@@ -28,26 +30,32 @@ def process_seed(seed: int, process_index: int) -> int:
 
 
 def check_supported(
-    args, deepspeed_enabled: bool, fsdp_enabled: bool, zero_stage: int | None = None, shared_reference: bool = False
+    args,
+    deepspeed_enabled: bool,
+    fsdp_version: int | None = None,
+    zero_stage: int | None = None,
+    shared_reference: bool = False,
 ) -> None:
     """Refuse, before any compute, what this trainer cannot do under the launch configuration.
 
-    FSDP: sampling runs the policy's language model outside FSDP's root module, whose sharded weights are then
-    never gathered. Under DeepSpeed, the options that decide to skip an optimizer step after the gradients exist:
-    DeepSpeed steps inside the backward of a minibatch's last micro-batch, before such a decision can be made. Under
-    ZeRO-3, a reference that shares layers with the policy (`shared_reference`): both would partition them."""
-    if fsdp_enabled:
+    FSDP1: trl_ppo gathers and shards through FSDP2's per-module API (`fsdp.py`). Under ZeRO-3 or FSDP2, a reference
+    that shares layers with the policy (`shared_reference`): both would shard them. Under DeepSpeed, the options
+    that decide to skip an optimizer step after the gradients exist: DeepSpeed steps inside the backward of a
+    minibatch's last micro-batch, before such a decision can be made."""
+    if fsdp_version is not None and fsdp_version != 2:
         raise ValueError(
-            "FSDP is not supported by trl_ppo: shard with DeepSpeed ZeRO-3 instead "
+            f"FSDP version {fsdp_version} is not supported by trl_ppo: set `fsdp_version: 2` in the `fsdp_config` "
+            "of the accelerate config (examples/accelerate_configs/fsdp2.yaml), or shard with DeepSpeed ZeRO-3 "
             "(examples/accelerate_configs/deepspeed_zero3.yaml)."
+        )
+    if shared_reference and (zero_stage == 3 or fsdp_version == 2):
+        layout = "DeepSpeed ZeRO-3" if zero_stage == 3 else "FSDP2"
+        raise ValueError(
+            f"Under {layout} the reference cannot share layers with the policy (`create_reference_model(model, "
+            "num_shared_layers=...)`): pass `num_shared_layers=None` or `ref_model=None`."
         )
     if not deepspeed_enabled:
         return
-    if zero_stage == 3 and shared_reference:
-        raise ValueError(
-            "Under DeepSpeed ZeRO-3 the reference cannot share layers with the policy (`create_reference_model(model, "
-            "num_shared_layers=...)`): pass `num_shared_layers=None` or `ref_model=None`."
-        )
     asked = [
         name
         for name, value in (
@@ -104,9 +112,12 @@ def prepare_frozen_model(model: nn.Module, accelerator) -> tuple[nn.Module, obje
     """Place a frozen model (reference, reward) for inference -> (the module to call, the engine to keep alive).
 
     Under ZeRO-3 it is partitioned like the policy by an inference-only DeepSpeed engine (no optimizer), whose hooks
-    gather each layer's weights when it runs; the module itself stays callable, submodules included. Otherwise (ZeRO
+    gather each layer's weights when it runs; the module itself stays callable, submodules included. Under FSDP2 it
+    is sharded into units (`fsdp.shard_frozen_model`; call its parts through `fsdp.root_call`). Otherwise (ZeRO
     stages 0-2, DDP, one process) it is copied whole to the device: it has no gradients or optimizer state to shard.
     """
+    if fsdp.is_fsdp2(accelerator):
+        return fsdp.shard_frozen_model(model, accelerator), None
     stage = deepspeed_zero_stage(accelerator)
     if stage != 3:
         model = model.to(accelerator.device)
@@ -194,9 +205,14 @@ def _hidden_size(model: nn.Module) -> int | None:
 def gathered_for_generation(engine: nn.Module, wrapper: nn.Module, accelerator, gather: bool = True):
     """While sampling: under ZeRO-3 with `gather=True`, the policy's partitioned weights gathered once on every
     process for the whole rollout, and ZeRO-3's per-layer hooks taken off meanwhile (left on, they would release
-    and gather every layer again at each sampled token). Elsewhere nothing happens.
+    and gather every layer again at each sampled token); under FSDP2 likewise, every unit of the wrapper unsharded
+    and kept so (`fsdp.gathered`). Elsewhere nothing happens.
 
     `engine` is the prepared DeepSpeed engine, `wrapper` the module it trains (`PolicyAndValueWrapper`)."""
+    if fsdp.is_fsdp2(accelerator) and gather:
+        with fsdp.gathered(wrapper, wrapper.lm):
+            yield
+        return
     if deepspeed_zero_stage(accelerator) != 3 or not gather:
         yield
         return
@@ -213,10 +229,17 @@ def gathered_for_generation(engine: nn.Module, wrapper: nn.Module, accelerator, 
             offload._register_deepspeed_module(offload.module)
 
 
+def weights_are_sharded(accelerator) -> bool:
+    """Whether the policy's weights are sharded over the processes (ZeRO-3, FSDP2): then each sampling call gathers
+    them (or each forward does), a collective that every process must make as often as the others."""
+    return deepspeed_zero_stage(accelerator) == 3 or fsdp.is_fsdp2(accelerator)
+
+
 def sampling_needs_sync(accelerator, gather: bool) -> bool:
-    """Whether every process must run the same number of forwards while sampling: under ZeRO-3 without gathered
-    weights each forward is a collective, so a process whose responses all stopped keeps stepping with the others."""
-    return deepspeed_zero_stage(accelerator) == 3 and not gather and accelerator.num_processes > 1
+    """Whether every process must run the same number of forwards while sampling: under ZeRO-3 or FSDP2 without
+    gathered weights each forward is a collective, so a process whose responses all stopped keeps stepping with
+    the others."""
+    return weights_are_sharded(accelerator) and not gather and accelerator.num_processes > 1
 
 
 def checked_on_every_process(check: Callable[[], T], device: torch.device, what: str) -> T:

@@ -263,13 +263,15 @@ def _keep_value_dtype(layer) -> None:
 _PLAIN_SAMPLING = {"do_sample": (True,), "top_k": (0, None), "top_p": (1.0, None), "min_length": (-1, 0, None)}
 
 
-def resolve_backend(name: str, device: torch.device, deepspeed_stage: int | None, peft: bool) -> str:
+def resolve_backend(
+    name: str, device: torch.device, deepspeed_stage: int | None, peft: bool, fsdp2: bool = False
+) -> str:
     """The backend that 'auto' means here: 'compiled' on a CUDA device, unless the weights are partitioned by
-    ZeRO-3 (gathered afresh for each rollout, so a captured graph would read stale addresses) or the policy is a
-    PEFT model (its adapters switch on and off around the reference forward); else 'kv_cache'."""
+    ZeRO-3 or sharded by FSDP2 (gathered afresh for each rollout, so a captured graph would read stale addresses)
+    or the policy is a PEFT model (its adapters switch on and off around the reference forward); else 'kv_cache'."""
     if name != "auto":
         return name
-    if device.type == "cuda" and deepspeed_stage != 3 and not peft:
+    if device.type == "cuda" and deepspeed_stage != 3 and not fsdp2 and not peft:
         return "compiled"
     return "kv_cache"
 

@@ -132,6 +132,14 @@ class PolicyAndValueWrapper(nn.Module):
         self.config = policy.config  # read by `transformers.Trainer`
 
     @property
+    def _no_split_modules(self) -> list[str]:
+        """The block classes of the policy and the value model: accelerate's FSDP2 makes each such block a unit."""
+        names = []
+        for model in (causal_lm(self.policy), self.value_model):
+            names += [name for name in getattr(model, "_no_split_modules", None) or [] if name not in names]
+        return names
+
+    @property
     def lm(self) -> nn.Module:
         """The causal LM that samples (the policy without its value head)."""
         return causal_lm(self.policy)
@@ -361,3 +369,7 @@ class PreparedModels:
     @property
     def is_deepspeed(self) -> bool:
         return dist.deepspeed_zero_stage(self.accelerator) is not None
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return dist.fsdp.is_fsdp2(self.accelerator)

@@ -245,6 +245,11 @@ class OnPolicyTrainer(Trainer):
         if not _internal_call:
             weights = named_weights(self.accelerator.unwrap_model(self.model))
             saving.check_finite_weights(self.accelerator, weights, output_dir or self.args.output_dir)
+        if self._models().is_fsdp2:  # gathered whole (on the main process), whatever `fsdp_state_dict_type` says:
+            # `Trainer` writes nothing here for a sharded one (a checkpoint keeps the shards beside the optimizer)
+            state_dict = self.accelerator.get_state_dict(self.model)
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+            return
         super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:

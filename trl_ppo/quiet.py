@@ -4,6 +4,7 @@ whole logger, never a level)."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 # DeepSpeed probes for an accelerator when it is first imported, which accelerate does whenever a model is unwrapped
 # (`Trainer.__init__`) if DeepSpeed is installed, and warns on every machine without a GPU that it "Setting
@@ -30,3 +31,11 @@ def drop_deepspeed_cpu_notice() -> None:
 
 
 drop_deepspeed_cpu_notice()
+
+
+# FSDP2 warns when a sharded module returns a view, since an in-place change of it would skip FSDP's pre-backward
+# hook. `PolicyAndValueWrapper` returns slices (the response tokens' values and log-probs) that trl_ppo only ever
+# reads, so the warning says nothing to a user; modules of their own still get it.
+warnings.filterwarnings(
+    "ignore", message=r"FSDP2-wrapped module \(FSDPPolicyAndValueWrapper\) returned a view tensor", category=UserWarning
+)

@@ -25,6 +25,7 @@ from torch import nn
 
 from . import async_loop, ppo
 from .data import is_conversational
+from .fsdp import root_call
 from .models import check_scalar_head_model, scalar_head_outputs
 from .rollout import Rollout, chunks
 
@@ -137,7 +138,7 @@ def retokenized_scores(
 def _scores_at(model, input_ids, attention_mask, index, chunk_size: int) -> torch.Tensor:
     scores = []
     for part in chunks(input_ids.size(0), chunk_size):
-        outputs = scalar_head_outputs(model, input_ids[part], attention_mask[part])
+        outputs = root_call(model, scalar_head_outputs, input_ids[part], attention_mask[part])  # FSDP2: one forward
         scores.append(outputs.gather(1, index[part].unsqueeze(1)).squeeze(1))
     return torch.cat(scores).float()
 

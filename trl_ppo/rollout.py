@@ -16,6 +16,7 @@ import torch
 from . import distributed as dist
 from . import kl, ppo
 from .data import prompts_on_device
+from .fsdp import root_call
 from .generation import generation_backend
 from .logprobs import ResponseOutput, response_logprobs
 from .models import PreparedModels, peft_reference
@@ -175,7 +176,9 @@ def sample_responses(
                 parts += [slice(0, 1)] * (calls - len(parts))  # extra calls on one row, their tokens dropped
             with accelerator.autocast():
                 responses = [
-                    sample(wrapper.lm, queries[part], query_mask[part], pad_token_id=sampling.pad_token_id, **settings)
+                    root_call(wrapper, lambda module, part=part: sample(
+                        module.lm, queries[part], query_mask[part], pad_token_id=sampling.pad_token_id, **settings
+                    ))
                     for part in parts
                 ][:own]
         finally:
@@ -220,8 +223,9 @@ def reference_output(episodes: Rollout, models: PreparedModels, args, keep_logit
     """`ref_logprobs` `[B, T]` of the episodes' responses under the reference (and its logits, with
     `keep_logits`): `models.ref_model`, or the PEFT policy with its adapter disabled."""
     inputs = (episodes.input_ids, episodes.attention_mask, episodes.responses, args.temperature)
-    if models.ref_model is not None:
-        return response_logprobs(models.ref_model, *inputs, args.logprobs_chunk_size, keep_logits=keep_logits)
-    lm = models.wrapper.lm
-    with peft_reference(lm, args.ref_adapter_name, args.model_adapter_name):
-        return response_logprobs(lm, *inputs, args.logprobs_chunk_size, keep_logits=keep_logits)
+    options = {"chunk_size": args.logprobs_chunk_size, "keep_logits": keep_logits}
+    if models.ref_model is not None:  # `root_call`: under FSDP2 its parts run as one forward of its root
+        return root_call(models.ref_model, response_logprobs, *inputs, **options)
+    wrapper = models.wrapper
+    with peft_reference(wrapper.lm, args.ref_adapter_name, args.model_adapter_name):
+        return root_call(wrapper, lambda module: response_logprobs(module.lm, *inputs, **options))

@@ -88,7 +88,7 @@ def save_value_model(models: PreparedModels, output_dir: str, should_save: bool)
     if value_model is None:
         return
     state_dict = None
-    if models.is_deepspeed:  # under ZeRO-3 only the main process receives the weights
+    if models.is_deepspeed or models.is_fsdp2:  # under ZeRO-3 and FSDP2 only the main process receives the weights
         try:
             state_dict = sub_state_dict(models.accelerator.get_state_dict(models.model) or {}, "value_model.")
         except ValueError:  # ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`

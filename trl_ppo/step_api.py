@@ -77,12 +77,12 @@ def generate_responses(
     request = (queries, batch_size, max_new_tokens, vocab_size, context, sampling.pad_token_id)
     dist.checked_on_every_process(lambda: check_generation_request(*request), device, "`generate()` queries")
     collate = LeftPaddingCollator(sampling.pad_token_id)
-    if dist.deepspeed_zero_stage(models.accelerator) == 3:  # each sampling call is a collective there
+    if dist.weights_are_sharded(models.accelerator):  # each sampling call is a collective there
         dist.assert_consistent_across_processes(
             -(-len(queries) // batch_size),
             device,
-            "Under DeepSpeed ZeRO-3 every process must call `generate()` with as many batches of queries (the same "
-            "number of queries and `batch_size`): sampling gathers weights from all processes.",
+            "Under DeepSpeed ZeRO-3 or FSDP2 every process must call `generate()` with as many batches of queries (the "
+            "same number of queries and `batch_size`): sampling gathers weights from all processes.",
         )
     results = []
     for part in chunks(len(queries), batch_size):
@@ -110,8 +110,8 @@ def sampling_models(models: PreparedModels, reference: bool, args):
         with peft_reference(models.wrapper.lm, args.ref_adapter_name, args.model_adapter_name):
             yield models
     else:
-        if dist.deepspeed_zero_stage(models.accelerator) == 3:
-            raise ValueError("Sampling from the reference model is not supported under DeepSpeed ZeRO-3.")
+        if dist.weights_are_sharded(models.accelerator):
+            raise ValueError("Sampling from the reference model is not supported under DeepSpeed ZeRO-3 or FSDP2.")
         reference_model = models.ref_model
         if not is_value_head_model(reference_model):  # a plain causal LM: an unused head makes it readable
             with torch.random.fork_rng(devices=[]):  # and leaves the RNG stream alone

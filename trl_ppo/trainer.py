@@ -22,7 +22,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from . import data, ppo, reporting, saving
+from . import data, fsdp, ppo, reporting, saving
 from . import distributed as dist
 from . import step_api as episodes
 from . import update as ppo_epochs
@@ -130,8 +130,13 @@ class PPOTrainer(OnPolicyTrainer):
         args, accelerator = self.args, self.accelerator
         stage = dist.deepspeed_zero_stage(accelerator)
         shares_layers = ref_model is not None and bool(shared_parameters(ref_model, self.model.policy))
-        dist.check_supported(args, self.is_deepspeed_enabled, self.is_fsdp_enabled, stage, shares_layers)
-        self.sampling_backend = resolve_backend(args.generation_backend, accelerator.device, stage, self.is_peft_model)
+        fsdp_version = fsdp.fsdp_version(accelerator)
+        dist.check_supported(args, self.is_deepspeed_enabled, fsdp_version, stage, shares_layers)
+        fsdp.check_settings(accelerator)
+        fsdp.keep_float32_outputs(accelerator)
+        self.sampling_backend = resolve_backend(
+            args.generation_backend, accelerator.device, stage, self.is_peft_model, fsdp2=fsdp_version == 2
+        )
         if self.train_dataset is not None:  # a collator that pads on the wrong side fails before any rollout
             rows = [self.train_dataset[i] for i in range(min(len(self.train_dataset), 8))]
             data.prompts_on_device(self.data_collator(rows), accelerator.device, self.processing_class.pad_token_id)
@@ -140,6 +145,7 @@ class PPOTrainer(OnPolicyTrainer):
         self.callback_handler.optimizer, self.callback_handler.lr_scheduler = self.optimizer, self.lr_scheduler
         dist.fit_deepspeed_batch_layout(accelerator, args.train_forward_batch_size, args.local_mini_batch_size)
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
+        fsdp.enable_root_calls(self.model)  # FSDP2: sampling runs the policy's parts as a forward of the wrapper
         # Not given to `accelerator.prepare`: it would shard the batches a second time (the sampler already gives
         # each process its slice of every global batch).
         self.train_dataloader = None if self.train_dataset is None else self.get_train_dataloader()

@@ -116,6 +116,7 @@ def finite_gradient_norm(models: PreparedModels, args) -> bool:
         return True
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")  # inf: the norm, nothing clipped
     norm = accelerator.clip_grad_norm_(models.model.parameters(), max_norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor over the shards
     return all_finite(torch.as_tensor(norm).reshape(1), accelerator)
 
 
@@ -177,6 +178,8 @@ def gradient_sync(models: PreparedModels, last: bool):
     if models.is_deepspeed:
         # DeepSpeed reads the boundary from accelerate's flag (`Trainer` keeps accelerate's own accumulation off).
         models.accelerator.gradient_state._set_sync_gradients(last)
+        return contextlib.nullcontext()
+    if models.is_fsdp2:  # each pass reduce-scatters into the sharded gradients: deferring that would hold them whole
         return contextlib.nullcontext()
     return contextlib.nullcontext() if last else models.accelerator.no_sync(models.model)
 

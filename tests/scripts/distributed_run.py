@@ -1,4 +1,5 @@
-"""A tiny PPO run for the multi-process tests, launched with `accelerate launch` (DDP or DeepSpeed).
+"""A tiny PPO run for the multi-process tests, launched with `accelerate launch` (DDP, DeepSpeed or FSDP2; FSDP2 on
+the CPU with TRL_PPO_TEST_FSDP2_ON_CPU=1, see fsdp2_on_cpu.py).
 
     accelerate launch ... tests/scripts/distributed_run.py --report_dir DIR [--value head] [--final_model_dir D]
         [any PPOConfig flag]
@@ -17,6 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 torch.set_num_threads(1)  # one thread per process: two processes share the two cores
+if os.environ.get("TRL_PPO_TEST_FSDP2_ON_CPU") == "1":
+    import fsdp2_on_cpu  # noqa: E402  (beside this script)
+
+    fsdp2_on_cpu.enable()
 
 from transformers import HfArgumentParser, TrainerCallback  # noqa: E402
 
@@ -41,8 +46,14 @@ class RecordSeed(TrainerCallback):
 
 
 def full_weights(trainer) -> dict:
-    """The wrapper's full state dict on this process (ZeRO-3 partitions gathered), on the CPU."""
+    """The wrapper's full state dict on this process (ZeRO-3 partitions and FSDP2 shards gathered), on the CPU."""
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
+    if getattr(trainer.accelerator, "is_fsdp2", False):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True)  # on every process
+        state_dict = get_model_state_dict(wrapper, options=options)
+        return {name: tensor.detach().cpu().clone() for name, tensor in state_dict.items()}
     gathered = contextlib.nullcontext()
     if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
         import deepspeed
@@ -53,15 +64,19 @@ def full_weights(trainer) -> dict:
 
 
 def count_sampling_gathers(trainer) -> list[int]:
-    """Count DeepSpeed's all-gathers inside each sampling call (`rollout.sample_responses`; one entry per call;
-    empty without DeepSpeed)."""
-    counts = []
-    if not trainer.is_deepspeed_enabled:
-        return counts
-    import deepspeed.comm.comm as ds_comm
+    """Count DeepSpeed's (or FSDP2's) all-gathers inside each sampling call (`rollout.sample_responses`; one entry
+    per call; empty without either)."""
+    counts, calls = [], [0]
+    if trainer.is_deepspeed_enabled:
+        import deepspeed.comm.comm as ds_comm
 
-    backend, calls = ds_comm.cdb, [0]
-    for name in [name for name in dir(backend) if "gather" in name and callable(getattr(backend, name))]:
+        backend = ds_comm.cdb
+        names = [name for name in dir(backend) if "gather" in name and callable(getattr(backend, name))]
+    elif getattr(trainer.accelerator, "is_fsdp2", False):
+        backend, names = torch.distributed, ["all_gather_single"]  # what FSDP2 gathers a unit's weights with
+    else:
+        return counts
+    for name in names:
 
         def counted(*args, _function=getattr(backend, name), **kwargs):
             calls[0] += 1
@@ -80,6 +95,36 @@ def count_sampling_gathers(trainer) -> list[int]:
 
     rollout.sample_responses = counted_sample
     return counts
+
+
+def shard_sizes(trainer) -> dict:
+    """Per model: (the elements this process holds, the model's elements, FSDP2 units in it) after training."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapper = trainer.accelerator.unwrap_model(trainer.model)
+    sizes = {}
+    for role, model in (("policy", wrapper.policy), ("value_model", wrapper.value_model), ("ref", trainer.ref_model)):
+        if model is not None:
+            local = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
+            units = sum(isinstance(module, FSDPModule) for module in model.modules())
+            sizes[role] = (local, sum(p.numel() for p in model.parameters()), units)
+    return sizes
+
+
+def output_dtypes(trainer) -> dict:
+    """The dtypes of the log-probs and values the policy-and-value wrapper returns, and of the reference's log-probs
+    (on every process: a collective under ZeRO-3 and FSDP2)."""
+    from trl_ppo.fsdp import root_call
+    from trl_ppo.logprobs import response_logprobs
+
+    models = trainer._models()
+    ids = torch.tensor([[5, 6, 7, 8, 9]], device=trainer.accelerator.device)
+    inputs = (ids, torch.ones_like(ids), ids[:, -2:], 1.0)
+    with torch.no_grad(), trainer.accelerator.autocast():
+        output = models.wrapper(*inputs)
+        reference = root_call(models.ref_model, response_logprobs, *inputs)
+    tensors = {"logprobs": output.logprobs, "values": output.values, "ref": reference.logprobs}
+    return {name: str(tensor.dtype) for name, tensor in tensors.items()}
 
 
 def main() -> None:
@@ -122,6 +167,8 @@ def main() -> None:
         "log_history": trainer.state.log_history,
         "sampling_gathers": sampling_gathers,
         "policy_tensors": len(list(trainer.accelerator.unwrap_model(trainer.model).lm.parameters())),
+        "shards": shard_sizes(trainer),
+        "output_dtypes": output_dtypes(trainer),
     }
     with open(os.path.join(run_args.report_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle)

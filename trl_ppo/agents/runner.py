@@ -117,7 +117,7 @@ class AgentRunner:
         """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`.
         The batch gains an `environments` column (reward functions receive it)."""
         episodes = self.start_episodes(batch, args, context_length(models.wrapper.lm))
-        sync = dist.deepspeed_zero_stage(models.accelerator) == 3 and models.accelerator.num_processes > 1
+        sync = dist.weights_are_sharded(models.accelerator) and models.accelerator.num_processes > 1
         device = models.accelerator.device
         run_turns(
             episodes,

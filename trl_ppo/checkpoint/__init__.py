@@ -47,7 +47,7 @@ from .manifest import MANIFEST_NAME, manifest_of
 from .ownership import CheckpointOfAnotherRunError, refuse_checkpoints_of_other_runs, run_to_continue
 from .preemption import PreemptionHandler, stop_requested
 from .rng import capture_rng_state, load_rng_state, rng_file
-from .weights import has_deepspeed_state, load_trained_weights, named_weights, nonfinite_tensor
+from .weights import checkpoint_layout, load_trained_weights, named_weights, nonfinite_tensor
 
 
 @dataclass
@@ -226,26 +226,32 @@ def _portable(error: Exception | None) -> Exception | None:
         return RuntimeError(f"The main process could not start the run: {type(error).__name__}: {error}")
 
 
-def read_run_state(path: str, identity: dict, deepspeed: bool) -> dict:
+def read_run_state(path: str, identity: dict, layout: str | None) -> dict:
     """The saved `RunState` of checkpoint `path` (as `state_dict()`), after checking that this run (`identity`,
-    launched with or without DeepSpeed) can resume it."""
+    launched under `layout`: "DeepSpeed", "FSDP" or None, as `weights.checkpoint_layout` names them) can resume
+    it."""
     state_file = os.path.join(path, PPO_STATE_NAME)
     saved = read_json(state_file)
     saved.pop("manifest", None)
     if not isinstance(saved.get("identity"), dict):
         raise ValueError(f"{state_file} holds no run identity (an `identity` object): it is damaged.")
     check_resumable(saved.pop("identity"), identity, path)
-    written_with_deepspeed = has_deepspeed_state(path)
-    if not (written_with_deepspeed or os.path.isfile(os.path.join(path, "optimizer.pt"))):
+    written = checkpoint_layout(path)
+    if not (written == "DeepSpeed" or _has_optimizer_state(path)):
         raise ValueError(f"{path} has no optimizer state (written with `save_only_model=True`): it cannot be resumed.")
-    if not written_with_deepspeed and not os.path.isfile(os.path.join(path, "scheduler.pt")):
+    if written != "DeepSpeed" and not os.path.isfile(os.path.join(path, "scheduler.pt")):
         raise ValueError(f"{path} has no scheduler.pt: resuming would restart the learning-rate schedule.")
-    if deepspeed != written_with_deepspeed:
+    if layout != written:
         raise ValueError(
-            f"{path} was written {'with' if written_with_deepspeed else 'without'} DeepSpeed, and this run is "
-            f"{'' if deepspeed else 'not '}under DeepSpeed: resume it the way it was launched."
+            f"{path} was written {f'with {written}' if written else 'without DeepSpeed or FSDP'}, and this run is "
+            f"{f'under {layout}' if layout else 'under neither'}: resume it the way it was launched."
         )
     return saved
+
+
+def _has_optimizer_state(path: str) -> bool:
+    """`optimizer.pt` (plain), or FSDP's `optimizer.bin` (whole) or `optimizer_0/` (sharded)."""
+    return any(os.path.exists(os.path.join(path, name)) for name in ("optimizer.pt", "optimizer.bin", "optimizer_0"))
 
 
 __all__ = [

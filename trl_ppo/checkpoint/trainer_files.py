@@ -61,8 +61,9 @@ def restore_trainer_checkpoint(trainer: Trainer, run: RunState, path: str, ident
     """Resume from checkpoint `path`, after checking that it was written by a run of this `identity`: the trained
     weights, optimizer and scheduler into `trainer`, the saved run state into `run`, this process's RNG states
     -> the saved trainer state (also set on `trainer`, whose callbacks read it)."""
-    saved = read_run_state(path, identity, trainer.is_deepspeed_enabled)
-    load_trained_weights(path, PreparedModels(trainer.accelerator, trainer.model, None))
+    models = PreparedModels(trainer.accelerator, trainer.model, None)
+    saved = read_run_state(path, identity, "DeepSpeed" if models.is_deepspeed else "FSDP" if models.is_fsdp2 else None)
+    load_trained_weights(path, models)
     state = read_trainer_checkpoint(trainer, path)
     if "episode" in saved:  # written by trl_ppo before `PPOTrainerState` kept it
         state.episode = saved["episode"]

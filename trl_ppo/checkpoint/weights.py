@@ -15,9 +15,11 @@ from ..value_head import VALUE_HEAD_FILE, is_value_head_model
 
 def nonfinite_tensor(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
     """The name of the first floating-point tensor holding NaN or infinity, or None. Under ZeRO-3 a parameter is
-    an empty placeholder and this process's partition is its `ds_tensor`; offloaded (meta) tensors hold nothing."""
+    an empty placeholder and this process's partition is its `ds_tensor`; under FSDP2 a parameter is a `DTensor`,
+    this process's shard its local tensor; offloaded (meta) tensors hold nothing."""
     for name, tensor in named_tensors:
         tensor = getattr(tensor, "ds_tensor", tensor)
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if tensor.device.type == "meta" or not tensor.is_floating_point():
             continue
         if not torch.isfinite(tensor.detach()).all():
@@ -33,11 +35,18 @@ def named_weights(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]
 
 def load_trained_weights(path: str, models: PreparedModels) -> None:
     """The policy's and the value model's weights of checkpoint `path` into `models`; under DeepSpeed, each
-    process's partition of the weights and optimizer state (DeepSpeed's own `global_step*/` files)."""
+    process's partition of the weights and optimizer state (DeepSpeed's own `global_step*/` files); under FSDP2,
+    each process's shard of the weights that `Trainer` wrote beside the optimizer (`pytorch_model_fsdp*`, whole or
+    sharded as the accelerate config's `fsdp_state_dict_type` says). A collective there."""
     if models.is_deepspeed:
         from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 
         deepspeed_load_checkpoint(models.model, path)
+        return
+    if models.is_fsdp2:
+        from accelerate.utils import load_fsdp_model
+
+        load_fsdp_model(models.accelerator.state.fsdp_plugin, models.accelerator, models.model, path)
         return
     load_weights_into(models.wrapper.policy, path)
     if models.wrapper.value_model is not None:
@@ -46,6 +55,15 @@ def load_trained_weights(path: str, models: PreparedModels) -> None:
 
 def has_deepspeed_state(path: str) -> bool:
     return bool(glob.glob(os.path.join(path, "global_step*")))
+
+
+def has_fsdp_state(path: str) -> bool:
+    return bool(glob.glob(os.path.join(path, "pytorch_model_fsdp*")))
+
+
+def checkpoint_layout(path: str) -> str | None:
+    """How checkpoint `path` holds its trained weights and optimizer: "DeepSpeed", "FSDP" or None (plain)."""
+    return "DeepSpeed" if has_deepspeed_state(path) else "FSDP" if has_fsdp_state(path) else None
 
 
 def load_weights_into(model: torch.nn.Module, folder: str) -> None:
