@@ -38,11 +38,11 @@ SECTIONS = (
     ("batch layout", "total_episodes per_device_train_batch_size gradient_accumulation_steps num_mini_batches "
      "num_ppo_epochs local_rollout_forward_batch_size train_forward_batch_size logprobs_chunk_size"),
     ("PPO losses and advantages", "learning_rate cliprange cliprange_value vf_coef value_head_init gamma lam "
-     "whiten_rewards loss_agg_mode max_grad_norm"),
+     "gae_level whiten_rewards loss_agg_mode max_grad_norm"),
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
     ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef critic_warmup_steps "
-     "lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
+     "num_critic_epochs lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
     ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates"),
     ("logging, saving, evaluation", "logging_steps report_to save_strategy save_steps save_value_model "
      "eval_strategy eval_steps seed"),

@@ -226,11 +226,11 @@ class PPOTrainer(OnPolicyTrainer):
         )
 
     def compute_advantages(self, rollout: Rollout, rewards: ppo.Rewards) -> ppo.Advantages:
-        """GAE over the response tokens -> advantages (whitened) and returns, both `[B, T]` (decoupled or
-        length-adaptive lambdas with `lam_value` / `length_adaptive_lam_alpha`)."""
+        """GAE over the response tokens (or over the turns, `gae_level`) -> advantages (whitened) and returns, both
+        `[B, T]` (decoupled or length-adaptive lambdas with `lam_value` / `length_adaptive_lam_alpha`)."""
         args, mask = self.args, rollout.response_mask
         lambdas = (args.lam, args.lam_value, args.length_adaptive_lam_alpha)
-        return ppo.advantages_and_returns(rewards.rewards, rollout.values, mask, args.gamma, *lambdas)
+        return ppo.advantages_and_returns(rewards.rewards, rollout.values, mask, args.gamma, *lambdas, args.gae_level)
 
     def ppo_update(
         self, rollout: Rollout, advantages: ppo.Advantages, detailed: bool = False
