@@ -149,6 +149,7 @@ def _one_update(make_config, tokenizer, load_models, critic_epochs):
     return policy, _value_error(trainer, update), update.metrics
 
 
+@pytest.mark.slow
 def test_several_critic_epochs_train_the_value_more_and_the_policy_the_same(make_config, tokenizer, load_models):
     policy_1, error_1, metrics_1 = _one_update(make_config, tokenizer, load_models, 1)
     policy_4, error_4, metrics_4 = _one_update(make_config, tokenizer, load_models, 4)

@@ -26,7 +26,8 @@ sub-commands:
   train              the default: train, then save the policy to --output_dir; without --model_name_or_path,
                      the embedded default job (a tiny model on the shipped prompts, offline)
   plot OUTPUT_DIR    a PNG of a run's main curves (`trl-ppo plot --help`)
-  env                versions and devices, for bug reports"""
+  env                versions and devices, for bug reports
+  trajectories FILE  advantages and losses recomputed from a `trajectory_dir` file"""
 
 # The sections of `--help`, in order: (title, option names). Options of `PPOConfig` that no section names (a new
 # field) go to "other PPO options", so none is ever left out.
@@ -45,7 +46,7 @@ SECTIONS = (
      "num_critic_epochs lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
     ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates"),
     ("logging, saving, evaluation", "logging_steps report_to save_strategy save_steps save_value_model "
-     "eval_strategy eval_steps seed"),
+     "eval_strategy eval_steps seed trajectory_dir"),
     # newer transformers releases call `gradient_checkpointing` `activation_checkpointing`: whichever exists shows
     ("precision and devices", "bf16 fp16 use_cpu activation_checkpointing gradient_checkpointing "
      "ds3_gather_for_generation"),

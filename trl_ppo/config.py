@@ -385,6 +385,15 @@ class PPOConfig(OnPolicyConfig):
         default=False,
         metadata={"help": "Also write the value model to `<output_dir>/value_model` in `save_model()`."},
     )
+    trajectory_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder where each update's episodes are appended as JSON lines, one file per process "
+            "(`trajectories-<rank>.jsonl`: ids, model mask, turn starts, rewards, log-probs, values, advantages, "
+            "returns, the text of each model turn and tool answer); `trl-ppo trajectories FILE` recomputes their "
+            "advantages and losses without sampling. None: off (nothing is computed)."
+        },
+    )
     max_turns: int = field(
         default=1,
         metadata={

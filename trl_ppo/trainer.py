@@ -21,7 +21,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from . import data, ppo, reporting, saving
+from . import data, ppo, reporting, saving, trajectories
 from . import distributed as dist
 from . import step_api as episodes
 from . import update as ppo_epochs
@@ -175,6 +175,7 @@ class PPOTrainer(OnPolicyTrainer):
                 rollout.scores, scores_per_reward = self.score(rollout, batch)
                 rewards = self.compute_rewards(rollout)  # score - kl_coef * KL, per token
                 advantages = self.compute_advantages(rollout, rewards)  # GAE
+                self._write_trajectories(update, rollout, rewards, advantages)  # with `trajectory_dir`
                 last = update == args.num_total_batches  # a stop then finishes the run instead
                 if not last and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
@@ -231,6 +232,14 @@ class PPOTrainer(OnPolicyTrainer):
         args, mask = self.args, rollout.response_mask
         lambdas = (args.lam, args.lam_value, args.length_adaptive_lam_alpha)
         return ppo.advantages_and_returns(rewards.rewards, rollout.values, mask, args.gamma, *lambdas, args.gae_level)
+
+    def _write_trajectories(self, update: int, rollout: Rollout, rewards, advantages: ppo.Advantages) -> None:
+        """With `trajectory_dir`, append this process's episodes of the update to its file (`trajectories.py`)."""
+        if self.args.trajectory_dir is None:
+            return
+        rank, tokenizer = self.accelerator.process_index, self.processing_class
+        records = trajectories.episode_records(update, rank, rollout, rewards, advantages, self.args, tokenizer)
+        trajectories.write_update(self.args.trajectory_dir, rank, records)
 
     def ppo_update(
         self, rollout: Rollout, advantages: ppo.Advantages, detailed: bool = False
@@ -314,6 +323,7 @@ class PPOTrainer(OnPolicyTrainer):
         rewards = self.compute_rewards(rollout)
         clock.lap("compute_rewards")
         advantages = self.compute_advantages(rollout, rewards)
+        self._write_trajectories(self.state.global_step + 1, rollout, rewards, advantages)
         clock.lap("compute_advantages")
         result = self.ppo_update(rollout, advantages, detailed)
         clock.lap("optimize_step")
