@@ -43,7 +43,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import agent_task as task  # noqa: E402
-from learning import CPU_RUN, log, run_arguments, run_worker, serve_worker  # noqa: E402
+from learning import CPU_RUN, log, run_arguments, run_seeds, serve_worker  # noqa: E402
 
 # name -> changes to `RL`. The first three run by default; the `-lam0.95` ones are PPO with GAE's default λ.
 CONFIGS: dict[str, dict] = {
@@ -292,18 +292,13 @@ def main() -> None:
     log(f"SFT policy in {sft_path} ({time.perf_counter() - start:.0f}s)")
     spec = dict(rl=rl, sft=dataclasses.asdict(sft), sft_path=sft_path, output_dir=cli.output_dir, smoke=cli.smoke)
     spec.update(threads=cli.threads, prompts=NUM_PROMPTS, held_out=held_out)
-    rows = []
-    for seed in seeds:
-        for name in cli.configs:
-            row = run_worker(dict(spec, rl={**rl, **CONFIGS[name]}, config=name, seed=seed), script=__file__)
-            if row is None:
-                continue
-            rows.append(row)
-            with open(cli.results, "a") as results:
-                results.write(json.dumps(row) + "\n")
-            b, a = row["before"]["sampled"], row["after"]["sampled"]
-            log(f"[{name} seed {seed}] sampled: success {b['success']:.2f} -> {a['success']:.2f}, tool calls "
-                f"{b['tool_call_rate']:.2f} -> {a['tool_call_rate']:.2f}, {row['seconds']:.0f}s")
+
+    def describe(row: dict) -> str:
+        b, a = row["before"]["sampled"], row["after"]["sampled"]
+        return (f"sampled: success {b['success']:.2f} -> {a['success']:.2f}, tool calls {b['tool_call_rate']:.2f} -> "
+                f"{a['tool_call_rate']:.2f}, {row['seconds']:.0f}s")
+
+    rows = run_seeds(spec, seeds, cli.configs, CONFIGS, cli.results, __file__, describe)
     print(f"\n{len(rows)} runs appended to {cli.results}\n")
     print(table(rows))
     if len(rows) < len(cli.configs) * len(seeds):
