@@ -32,8 +32,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import guess_game as game  # noqa: E402
-from agent_tools import mean_se  # noqa: E402
-from learning import CPU_RUN, log, run_arguments, run_seeds, serve_worker  # noqa: E402
+from agent_tools import common_args, mean_se  # noqa: E402
+from learning import log, run_arguments, run_seeds, serve_worker  # noqa: E402
 
 CONFIGS: dict[str, dict] = {
     "ppo-token": {"gae_level": "token"},
@@ -68,19 +68,6 @@ def dataset(seed: int):
     rng = random.Random(seed)
     targets = [rng.randint(game.LOW, game.HIGH) for _ in range(NUM_PROMPTS)]
     return Dataset.from_dict({"prompt": [game.prompt_messages() for _ in targets], "target": targets})
-
-
-def common_args(spec: dict) -> dict:
-    rl = spec["rl"]
-    return dict(
-        output_dir=os.path.join(spec["output_dir"], "runs", f"{spec['config']}-{spec['seed']}"),
-        per_device_train_batch_size=rl["per_device_train_batch_size"],
-        gradient_accumulation_steps=rl["gradient_accumulation_steps"],
-        learning_rate=rl["learning_rate"],
-        temperature=rl["temperature"],
-        seed=spec["seed"],
-        **CPU_RUN,
-    )
 
 
 def ppo_trainer(spec: dict, tokenizer, policy):
