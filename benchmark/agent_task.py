@@ -152,14 +152,14 @@ def sft_conversation(a: int, b: int, rng: random.Random, tool_rate: float) -> li
     return prompt_messages(a, b) + [{"role": "assistant", "content": f"The answer is {guess}."}]
 
 
-def sft_example(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(ids, labels) of a conversation rendered with `tools=[multiply]`: labels are the ids of each assistant
-    turn up to and including its stop token, -100 elsewhere. The byte-level tokenizer encodes a concatenation
-    as the concatenation of the encodings, so the pieces are encoded one by one."""
+def sft_example(tokenizer, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a conversation rendered with `tools` (default `[multiply]`): labels are the ids of each
+    assistant turn up to and including its stop token, -100 elsewhere. The byte-level tokenizer encodes a
+    concatenation as the concatenation of the encodings, so the pieces are encoded one by one."""
 
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
-            messages[:upto], tools=[multiply], tokenize=False, add_generation_prompt=generation_prompt
+            messages[:upto], tools=tools or [multiply], tokenize=False, add_generation_prompt=generation_prompt
         )
 
     ids, labels, done = [], [], ""

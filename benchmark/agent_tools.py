@@ -16,7 +16,8 @@ in its head: without the tool it can only be lucky.
 
 Configs, each run (one config, one seed) in a fresh process, same SFT start, episodes and seeds:
 * `ppo+tools`: trl_ppo's `PPOTrainer(..., tools=[multiply])`, `max_turns=3`, chat-message prompts, `lam=1.0`
-  (`-lam0.95`: trl_ppo's default λ, with which one seed of three stopped calling the tool);
+  (`-lam0.95`: trl_ppo's default λ, with which one seed of three stopped calling the tool; `-turn-lam0.95`: that λ
+  with turn-level GAE, `gae_level="turn"`, which applies it once per turn instead of once per token);
 * `ppo-no-tools`: trl_ppo without tools (`max_turns=1`), the same prompt ids (the tools' system block shown, so
   the start is the same policy) but a tool call is never answered;
 * `grpo+tools`: TRL 1.12's `GRPOTrainer(..., tools=[multiply])`, `max_tool_calling_iterations=2` (3 turns of
@@ -42,7 +43,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import agent_task as task  # noqa: E402
-from learning import CPU_RUN, log, run_arguments, run_worker, serve_worker  # noqa: E402
+from learning import CPU_RUN, log, run_arguments, run_seeds, serve_worker  # noqa: E402
 
 # name -> changes to `RL`. The first three run by default; the `-lam0.95` ones are PPO with GAE's default λ.
 CONFIGS: dict[str, dict] = {
@@ -51,6 +52,7 @@ CONFIGS: dict[str, dict] = {
     "grpo+tools": {},
     "ppo+tools-lam0.95": {"lam": 0.95},
     "ppo-no-tools-lam0.95": {"lam": 0.95},
+    "ppo+tools-turn-lam0.95": {"lam": 0.95, "gae_level": "turn"},  # turn-level GAE (issue 35): λ once per turn
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:3]
 RL = dict(  # shared by every run: `updates` x `batch` episodes
@@ -65,6 +67,7 @@ RL = dict(  # shared by every run: `updates` x `batch` episodes
     max_tool_response_length=16,
     num_generations=4,  # GRPO only: completions per prompt
     lam=1.0,  # PPO only: GAE's λ (see `ppo_trainer`)
+    gae_level="token",  # PPO only: GAE over model tokens, or over turns ('turn')
 )
 SFT = task.SFTSettings()
 SMOKE_RL = dict(RL, updates=1, per_device_train_batch_size=4, gradient_accumulation_steps=1, num_ppo_epochs=1)
@@ -113,6 +116,7 @@ def ppo_trainer(spec: dict, tokenizer, policy, dataset_rows: list[tuple[int, int
         # is still untrained. With the default 0.95 it reaches it x 0.95^85 (a call and a reply are ~85 model
         # tokens) and whitening makes that advantage negative: one seed of three stopped calling (RESULTS.md).
         lam=rl["lam"],
+        gae_level=rl.get("gae_level", "token"),
         local_rollout_forward_batch_size=batch,
         num_sample_generations=0,
     )
@@ -288,18 +292,13 @@ def main() -> None:
     log(f"SFT policy in {sft_path} ({time.perf_counter() - start:.0f}s)")
     spec = dict(rl=rl, sft=dataclasses.asdict(sft), sft_path=sft_path, output_dir=cli.output_dir, smoke=cli.smoke)
     spec.update(threads=cli.threads, prompts=NUM_PROMPTS, held_out=held_out)
-    rows = []
-    for seed in seeds:
-        for name in cli.configs:
-            row = run_worker(dict(spec, rl={**rl, **CONFIGS[name]}, config=name, seed=seed), script=__file__)
-            if row is None:
-                continue
-            rows.append(row)
-            with open(cli.results, "a") as results:
-                results.write(json.dumps(row) + "\n")
-            b, a = row["before"]["sampled"], row["after"]["sampled"]
-            log(f"[{name} seed {seed}] sampled: success {b['success']:.2f} -> {a['success']:.2f}, tool calls "
-                f"{b['tool_call_rate']:.2f} -> {a['tool_call_rate']:.2f}, {row['seconds']:.0f}s")
+
+    def describe(row: dict) -> str:
+        b, a = row["before"]["sampled"], row["after"]["sampled"]
+        return (f"sampled: success {b['success']:.2f} -> {a['success']:.2f}, tool calls {b['tool_call_rate']:.2f} -> "
+                f"{a['tool_call_rate']:.2f}, {row['seconds']:.0f}s")
+
+    rows = run_seeds(spec, seeds, cli.configs, CONFIGS, cli.results, __file__, describe)
     print(f"\n{len(rows)} runs appended to {cli.results}\n")
     print(table(rows))
     if len(rows) < len(cli.configs) * len(seeds):

@@ -221,6 +221,22 @@ def run_worker(spec: dict, script: str = __file__) -> dict | None:
     return json.loads(rows[-1])
 
 
+def run_seeds(spec: dict, seeds, names, configs: dict, results: str, script: str, describe) -> list[dict]:
+    """Each config of `names` on each seed, each run in a fresh process (`run_worker`, `configs[name]` over the
+    spec's `rl`); each row appended to `results` as a JSON line and `describe(row)` logged -> the rows."""
+    rows = []
+    for seed in seeds:
+        for name in names:
+            row = run_worker(dict(spec, rl={**spec["rl"], **configs[name]}, config=name, seed=seed), script=script)
+            if row is None:
+                continue
+            rows.append(row)
+            with open(results, "a") as lines:
+                lines.write(json.dumps(row) + "\n")
+            log(f"[{name} seed {seed}] {describe(row)}")
+    return rows
+
+
 # -------------------------------------------------------------------------------------------------- report
 def mean_std(values: list[float]) -> str:
     if not values:

@@ -64,10 +64,19 @@ def test_minibatch_verdicts():
 def test_minibatches_cover_every_episode_once_per_epoch():
     args = SimpleNamespace(num_ppo_epochs=3, local_batch_size=8, local_mini_batch_size=4)
     torch.manual_seed(0)
-    minibatches = list(shuffled_minibatches(args, torch.device("cpu")))
+    minibatches = [m for m, value_only in shuffled_minibatches(args, torch.device("cpu")) if not value_only]
     assert len(minibatches) == 6 and all(len(m) == 4 for m in minibatches)
     for epoch in range(3):
         assert sorted(torch.cat(minibatches[2 * epoch : 2 * epoch + 2]).tolist()) == list(range(8))
+
+
+def test_num_critic_epochs_follows_each_ppo_epoch_with_value_only_epochs():
+    args = SimpleNamespace(num_ppo_epochs=2, num_critic_epochs=3, local_batch_size=8, local_mini_batch_size=4)
+    minibatches = list(shuffled_minibatches(args, torch.device("cpu")))
+    # per PPO epoch: 2 minibatches of policy and value, then 2 value-only epochs of 2 minibatches each
+    assert [value_only for _, value_only in minibatches] == ([False] * 2 + [True] * 4) * 2
+    for epoch in range(6):
+        assert sorted(torch.cat([m for m, _ in minibatches[2 * epoch : 2 * epoch + 2]]).tolist()) == list(range(8))
 
 
 def _policy_after_one_update(trainer):

@@ -5,6 +5,7 @@
     trl-ppo --model_name_or_path EleutherAI/pythia-1b-deduped --sft_model_path ... --reward_model_path ...
     trl-ppo plot OUTPUT_DIR       # PNG of the main curves from OUTPUT_DIR's trainer_state.json
     trl-ppo env                   # versions and devices, for bug reports
+    trl-ppo trajectories FILE     # advantages and losses recomputed from a `trajectory_dir` file
     trl-ppo --help                # the sub-commands and PPO's options, grouped; --help-all: every option
 
 Without `--model_name_or_path` the default job runs (flags you pass still override its settings). Under several
@@ -350,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
         from .reporting import plot_command
 
         plot_command(argv)
+    elif command == "trajectories":
+        from .trajectories import trajectories_command
+
+        trajectories_command(argv)
     elif command == "train":
         script_args, training_args, model_args, argv = parse(argv)
         if model_args.model_name_or_path is None:
@@ -360,10 +365,10 @@ def main(argv: list[str] | None = None) -> None:
             check_resume_flag(training_args)
             run_from_models(script_args, training_args, model_args)
     else:
-        hint = closest(command, ("train", "plot", "env"))
+        hint = closest(command, ("train", "plot", "env", "trajectories"))
         raise SystemExit(
             f"trl-ppo: unknown command {command!r}{f' (did you mean `{hint}`?)' if hint else ''}: use `train` "
-            "(the default), `plot` or `env`."
+            "(the default), `plot`, `env` or `trajectories`."
         )
 
 

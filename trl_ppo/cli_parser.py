@@ -26,7 +26,8 @@ sub-commands:
   train              the default: train, then save the policy to --output_dir; without --model_name_or_path,
                      the embedded default job (a tiny model on the shipped prompts, offline)
   plot OUTPUT_DIR    a PNG of a run's main curves (`trl-ppo plot --help`)
-  env                versions and devices, for bug reports"""
+  env                versions and devices, for bug reports
+  trajectories FILE  advantages and losses recomputed from a `trajectory_dir` file"""
 
 # The sections of `--help`, in order: (title, option names). Options of `PPOConfig` that no section names (a new
 # field) go to "other PPO options", so none is ever left out.
@@ -38,14 +39,14 @@ SECTIONS = (
     ("batch layout", "total_episodes per_device_train_batch_size gradient_accumulation_steps num_mini_batches "
      "num_ppo_epochs local_rollout_forward_batch_size train_forward_batch_size logprobs_chunk_size"),
     ("PPO losses and advantages", "learning_rate cliprange cliprange_value vf_coef value_head_init gamma lam "
-     "whiten_rewards loss_agg_mode max_grad_norm"),
+     "gae_level whiten_rewards loss_agg_mode max_grad_norm"),
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
     ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef critic_warmup_steps "
-     "lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
+     "num_critic_epochs lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
     ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates"),
     ("logging, saving, evaluation", "logging_steps report_to save_strategy save_steps save_value_model "
-     "eval_strategy eval_steps seed"),
+     "eval_strategy eval_steps seed trajectory_dir"),
     # newer transformers releases call `gradient_checkpointing` `activation_checkpointing`: whichever exists shows
     ("precision and devices", "bf16 fp16 use_cpu activation_checkpointing gradient_checkpointing "
      "ds3_gather_for_generation"),

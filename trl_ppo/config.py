@@ -276,6 +276,23 @@ class PPOConfig(OnPolicyConfig):
     )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "Lambda of generalized advantage estimation (GAE)."})
+    gae_level: Literal["token", "turn"] = field(
+        default="token",
+        metadata={
+            "help": "Where GAE steps in multi-turn episodes (tools / environments, or `step()` masks with gaps): "
+            "'token' (every model token a step) or 'turn' (Turn-PPO: each turn of the model a step, its value "
+            "read at its first token, `gamma` and `lam` applied once per turn, its advantage on all its tokens). "
+            "Episodes of one turn get the token-level numbers either way."
+        },
+    )
+    num_critic_epochs: int = field(
+        default=1,
+        metadata={
+            "help": "Epochs of the value function per PPO epoch: each PPO epoch (policy and value) is followed by "
+            "`num_critic_epochs - 1` value-only epochs over fresh minibatches, so the critic learns faster than "
+            "the policy (Turn-PPO, SAO). 1: the value trains with the policy only."
+        },
+    )
 
     # Options of large-scale RL systems (veRL, OpenRLHF, NeMo-RL, ROLL, slime); all off by default.
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
@@ -367,6 +384,15 @@ class PPOConfig(OnPolicyConfig):
     save_value_model: bool = field(
         default=False,
         metadata={"help": "Also write the value model to `<output_dir>/value_model` in `save_model()`."},
+    )
+    trajectory_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder where each update's episodes are appended as JSON lines, one file per process "
+            "(`trajectories-<rank>.jsonl`: ids, model mask, turn starts, rewards, log-probs, values, advantages, "
+            "returns, the text of each model turn and tool answer); `trl-ppo trajectories FILE` recomputes their "
+            "advantages and losses without sampling. None: off (nothing is computed)."
+        },
     )
     max_turns: int = field(
         default=1,

@@ -220,6 +220,11 @@ def _validate_ppo_config(args: PPOConfig) -> None:
     for name in ("gamma", "lam"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")
+    if args.gae_level not in ("token", "turn"):
+        fail(f"Unknown `gae_level` {args.gae_level!r}: use 'token' (GAE over model tokens) or 'turn' (over turns).")
+    if args.num_critic_epochs < 1:
+        fail(f"`num_critic_epochs` must be at least 1 (1: the value trains with the policy only), got "
+             f"{args.num_critic_epochs}.")
     _validate_large_scale_options(args)
 
 

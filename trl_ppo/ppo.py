@@ -293,6 +293,72 @@ def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tens
     return (1.0 - 1.0 / (alpha * lengths)).clamp(min=0.0)
 
 
+def turn_starts(response_mask: torch.Tensor) -> torch.Tensor:
+    """True on the first model token of each turn (each maximal run of True) of a response mask `[B, T]`: where the
+    value of the turn's state is read (the value before a token is that of the context before it). -> `[B, T]`."""
+    previous = torch.nn.functional.pad(response_mask[:, :-1], (1, 0), value=False)
+    return response_mask & ~previous
+
+
+def compute_turn_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn-level GAE (Turn-PPO, Li et al. 2025, arXiv 2512.17008; AReaL's turn-level GAE): GAE over the turn MDP,
+    whose step is a whole turn of the model, then each turn's advantage spread over its model tokens.
+
+    For turn h of an episode with H turns: R_h = the sum of the per-token rewards on its model tokens (its KL
+    terms, its per-turn tool reward, the score on the last turn), V_h = the value at its first model token (the
+    state: everything before the turn, tool answers included),
+    delta_h = R_h + gamma * V_{h+1} - V_h (V_{H+1} = 0),   A_h = delta_h + gamma * lam * A_{h+1},   G_h = A_h + V_h,
+    so gamma and lam decay once per turn, not once per token: an early tool call sees the final score through
+    (gamma * lam)^(turns after it), however many tokens the later turns have. Every model token of turn h gets
+    A_h and the value target G_h; tool tokens (outside the mask) get 0 and so no gradient.
+
+    The policy decides when to stop (a turn without a tool call ends the episode). The baseline here is V(s_h), a
+    function of the state before the turn alone, and the episode's end is the terminal state (V = 0), so the
+    choice to stop or to call once more is judged by its own return against that baseline, with no per-turn-index
+    normalisation whose number of terms depends on where the episode stopped (the action-dependent baseline, and
+    length bias, of veRL RFC #7244). Episodes cut by the budget are treated as ended, as token-level GAE does.
+
+    rewards, values, response_mask `[B, T]`, `lam` a float or one per episode `[B]` -> (advantages `[B, T]`,
+    returns `[B, T]`), zero outside the mask.
+    """
+    starts = turn_starts(response_mask)
+    turn = (starts.long().cumsum(-1) - 1).clamp(min=0)  # [B, T] the turn of each token
+    turns = starts.sum(-1)  # [B]
+    width = max(int(turns.max()), 1) if turns.numel() else 1
+    per_turn = torch.zeros(rewards.size(0), width, dtype=rewards.dtype, device=rewards.device)
+    turn_rewards = per_turn.scatter_add(1, turn, rewards.masked_fill(~response_mask, 0.0))
+    turn_values = per_turn.to(values.dtype).scatter_add(1, turn, values.masked_fill(~starts, 0.0))
+    turn_mask = torch.arange(width, device=rewards.device) < turns.unsqueeze(1)
+    advantages, returns = compute_gae(turn_rewards, turn_values, turn_mask, gamma, lam)
+    spread = (advantages.gather(1, turn), returns.gather(1, turn))
+    return tuple(part.masked_fill(~response_mask, 0.0) for part in spread)
+
+
+def gae_by_level(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+    level: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compute_gae` (level 'token'), or with level 'turn' `compute_turn_gae` for the episodes of two turns or more
+    and `compute_gae` for those of one turn, whose numbers are then exactly today's (a one-turn episode is one
+    step of the turn MDP: its token-level critic is kept). Shapes as `compute_gae`."""
+    token_level = compute_gae(rewards, values, response_mask, gamma, lam)
+    if level == "token":
+        return token_level
+    several = (turn_starts(response_mask).sum(-1) > 1).unsqueeze(1)
+    turn_level = compute_turn_gae(rewards, values, response_mask, gamma, lam)
+    return tuple(torch.where(several, t, k) for t, k in zip(turn_level, token_level))
+
+
 @dataclass
 class Advantages:
     """What the update optimises towards, for one rollout: both `[B, T]`, zero on padding."""
@@ -310,8 +376,10 @@ def advantages_and_returns(
     lam: float,
     lam_value: float | None = None,
     length_adaptive_lam_alpha: float | None = None,
+    level: str = "token",
 ) -> Advantages:
-    """`compute_gae`, then the advantages whitened (zero mean, unit variance over the response tokens).
+    """`gae_by_level` (`level` 'token' or 'turn'), then the advantages whitened (zero mean, unit variance over the
+    response tokens).
 
     Decoupled GAE (VAPO): the returns use `lam_value` (default `lam`), the advantages `lam`; with
     `length_adaptive_lam_alpha` the advantages use `length_adaptive_lam` per episode and the returns `lam`.
@@ -319,10 +387,10 @@ def advantages_and_returns(
     policy_lam = (
         lam if length_adaptive_lam_alpha is None else length_adaptive_lam(response_mask, length_adaptive_lam_alpha)
     )
-    advantages, returns = compute_gae(rewards, values, response_mask, gamma, policy_lam)
+    advantages, returns = gae_by_level(rewards, values, response_mask, gamma, policy_lam, level)
     value_lam = lam if lam_value is None else lam_value
     if length_adaptive_lam_alpha is not None or value_lam != lam:  # the returns need their own lambda
-        _, returns = compute_gae(rewards, values, response_mask, gamma, value_lam)
+        _, returns = gae_by_level(rewards, values, response_mask, gamma, value_lam, level)
     advantages = masked_whiten(advantages, response_mask).masked_fill(~response_mask, 0.0)
     return Advantages(advantages, returns, None if length_adaptive_lam_alpha is None else policy_lam)
 

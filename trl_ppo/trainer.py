@@ -22,7 +22,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from . import data, fsdp, ppo, reporting, saving
+from . import data, fsdp, ppo, reporting, saving, trajectories
 from . import distributed as dist
 from . import step_api as episodes
 from . import update as ppo_epochs
@@ -187,6 +187,7 @@ class PPOTrainer(OnPolicyTrainer):
                 rewards = self.compute_rewards(rollout)  # score - kl_coef * KL, per token
                 trained = self.trained_episodes(rollout)  # `truncated_episodes="mask"` leaves the truncated out
                 advantages = self.compute_advantages(trained, rewards)  # GAE
+                self._write_trajectories(update, trained, rewards, advantages)  # with `trajectory_dir`
                 last = update == args.num_total_batches  # a stop then finishes the run instead
                 if not last and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
@@ -241,14 +242,15 @@ class PPOTrainer(OnPolicyTrainer):
         )
 
     def compute_advantages(self, rollout: Rollout, rewards: ppo.Rewards) -> ppo.Advantages:
-        """GAE over the response tokens -> advantages (whitened) and returns, both `[B, T]` (decoupled or
-        length-adaptive lambdas with `lam_value` / `length_adaptive_lam_alpha`)."""
+        """GAE over the response tokens (or over the turns, `gae_level`) -> advantages (whitened) and returns, both
+        `[B, T]` (decoupled or length-adaptive lambdas with `lam_value` / `length_adaptive_lam_alpha`; truncated
+        episodes bootstrapped from V with `truncated_episodes="bootstrap"`)."""
         args, mask, token_rewards = self.args, rollout.response_mask, rewards.rewards
         if args.truncated_episodes == "bootstrap" and rollout.truncated is not None:
             token_rewards = ppo.bootstrap_truncated_rewards(token_rewards, rollout.values, mask, rollout.truncated,
                                                             args.gamma)
         lambdas = (args.lam, args.lam_value, args.length_adaptive_lam_alpha)
-        return ppo.advantages_and_returns(token_rewards, rollout.values, mask, args.gamma, *lambdas)
+        return ppo.advantages_and_returns(token_rewards, rollout.values, mask, args.gamma, *lambdas, args.gae_level)
 
     def trained_episodes(self, rollout: Rollout) -> Rollout:
         """The rollout the update trains on: with `truncated_episodes="mask"`, its truncated episodes left out of
@@ -257,6 +259,14 @@ class PPOTrainer(OnPolicyTrainer):
             return rollout
         return dataclasses.replace(rollout, response_mask=ppo.drop_truncated_episodes(rollout.response_mask,
                                                                                        rollout.truncated))
+
+    def _write_trajectories(self, update: int, rollout: Rollout, rewards, advantages: ppo.Advantages) -> None:
+        """With `trajectory_dir`, append this process's episodes of the update to its file (`trajectories.py`)."""
+        if self.args.trajectory_dir is None:
+            return
+        rank, tokenizer = self.accelerator.process_index, self.processing_class
+        records = trajectories.episode_records(update, rank, rollout, rewards, advantages, self.args, tokenizer)
+        trajectories.write_update(self.args.trajectory_dir, rank, records)
 
     def ppo_update(
         self, rollout: Rollout, advantages: ppo.Advantages, detailed: bool = False
@@ -340,6 +350,7 @@ class PPOTrainer(OnPolicyTrainer):
         rewards = self.compute_rewards(rollout)
         clock.lap("compute_rewards")
         advantages = self.compute_advantages(rollout, rewards)
+        self._write_trajectories(self.state.global_step + 1, rollout, rewards, advantages)
         clock.lap("compute_advantages")
         result = self.ppo_update(rollout, advantages, detailed)
         clock.lap("optimize_step")

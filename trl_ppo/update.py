@@ -48,6 +48,8 @@ class UpdateResult:
 
 # `detailed_stats` that hold one value per response token rather than one per micro-batch.
 TOKEN_STATS = ("policy/advantages", "policy/ratio")
+# The stats a value-only epoch (`num_critic_epochs`) reports: its policy terms are weighted 0.
+VALUE_STATS = ("loss/value_avg", "val/clipfrac_avg")
 # The whole loss of a micro-batch (policy, value, entropy and KL-loss terms), judged and not reported.
 TOTAL_LOSS = "loss/total"
 # What a non-finite update was cut short by, in messages.
@@ -68,12 +70,14 @@ def ppo_update(
     Stats are those of the minibatches whose losses were finite; with `early_stopping` / `ratio_threshold`
     (and no non-finite loss) also `policy/early_stop_frac` (minibatches stepped / planned) and
     `policy/skipped_minibatches`. `detailed` adds the stats of TRL's first PPOTrainer (`detailed_stats`). The first
-    `critic_warmup_steps` updates train only the value function."""
+    `critic_warmup_steps` updates train only the value function, and with `num_critic_epochs` > 1 each PPO epoch is
+    followed by value-only epochs (their stats: the value loss's alone, `VALUE_STATS`)."""
     episodes = rollout.with_advantages(advantages)
     stats, counts, nonfinite = defaultdict(list), {verdict: 0 for verdict in Verdict}, None
-    critic_only = update <= args.critic_warmup_steps
+    warmup = update <= args.critic_warmup_steps
     models.model.train()
-    for minibatch in shuffled_minibatches(args, episodes.queries.device):
+    for minibatch, value_epoch in shuffled_minibatches(args, episodes.queries.device):
+        critic_only = warmup or value_epoch
         minibatch_stats = minibatch_backward(episodes, minibatch, models, args, detailed, critic_only)
         verdict = judge_minibatch(minibatch_stats, models.accelerator, args, update)
         minibatch_stats.pop(TOTAL_LOSS, None)
@@ -86,10 +90,11 @@ def ppo_update(
         if verdict is Verdict.STEP:
             optimizer.step()
         optimizer.zero_grad()
-        counts[verdict] += 1
+        counts[verdict] += not value_epoch
         if verdict is not Verdict.NONFINITE:
             for key, values in minibatch_stats.items():
-                stats[key].extend(values)
+                if not value_epoch or key in VALUE_STATS:  # the policy's stats of a value epoch would count twice
+                    stats[key].extend(values)
         if verdict.ends_update:
             break
     token_stats = {key: stats.pop(key) for key in TOKEN_STATS if key in stats}
@@ -126,11 +131,14 @@ def all_finite(values: torch.Tensor, accelerator) -> bool:
     return accelerator.reduce(finite, reduction="sum").item() == accelerator.num_processes
 
 
-def shuffled_minibatches(args, device: torch.device) -> Iterator[torch.Tensor]:
-    """Episode indices of each minibatch, `num_ppo_epochs` times over a fresh permutation of this process's
-    `local_batch_size` episodes (drawn when its epoch begins)."""
+def shuffled_minibatches(args, device: torch.device) -> Iterator[tuple[torch.Tensor, bool]]:
+    """(episode indices of each minibatch, whether it is a value-only epoch's), `num_ppo_epochs` times over a fresh
+    permutation of this process's `local_batch_size` episodes (drawn when its epoch begins), each PPO epoch followed
+    by `num_critic_epochs - 1` value-only epochs."""
     for _ in range(args.num_ppo_epochs):
-        yield from torch.randperm(args.local_batch_size, device=device).split(args.local_mini_batch_size)
+        for value_epoch in range(getattr(args, "num_critic_epochs", 1)):
+            for minibatch in torch.randperm(args.local_batch_size, device=device).split(args.local_mini_batch_size):
+                yield minibatch, value_epoch > 0
 
 
 def minibatch_backward(

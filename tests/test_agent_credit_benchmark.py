@@ -1,0 +1,48 @@
+"""The credit-across-turns benchmark (benchmark/agent_credit.py, issue 35): its game, the SFT demonstrations
+rendered as the trainers render the prompt, and its learning-curve summary."""
+
+import os
+import random
+import sys
+
+import pytest
+from conftest import REPO_ROOT, load_example_script
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmark"))  # guess_game imports agent_task
+
+
+@pytest.fixture(scope="module")
+def game():
+    return load_example_script("guess_game", folder="benchmark")
+
+
+def test_the_game_answers_higher_lower_correct_and_rewards_finding(game):
+    play = game.GuessGame()
+    play.reset(target=6, prompt="ignored")
+    assert [play.guess(4), play.guess(7), play.get_reward(), play.guess(6), play.get_reward()] == [
+        "higher", "lower", 0.0, "correct", 1.0]
+    assert play.guesses == 3
+
+
+def test_sft_games_use_the_trainers_prompt_and_end_on_found(game):
+    from trl_ppo.agents.tools import schemas, toolbox
+
+    task = load_example_script("agent_task", folder="benchmark")
+    tokenizer = task.build_tokenizer()
+    tools = schemas(toolbox([], game.GuessGame()))  # as trl_ppo's AgentRunner renders an environment's tools
+    rendered = tokenizer.apply_chat_template(game.prompt_messages(), tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+    assert game.prompt_ids(tokenizer) == tokenizer.encode(rendered, add_special_tokens=False)
+    rng = random.Random(0)
+    games = [game.random_game(rng.randint(1, 8), rng) for _ in range(50)]
+    found = [g for g in games if g[-1]["content"] == "Found it."]
+    assert all(g[-2]["content"] == "correct" for g in found)
+    assert all(len(g) == 1 + 2 * game.GUESSES for g in games if g not in found)  # three misses: no last turn
+    ids, labels = task.sft_example(tokenizer, found[0], [game.guess])
+    assert ids[: len(game.prompt_ids(tokenizer))] == game.prompt_ids(tokenizer)
+
+
+def test_episodes_to_reach_a_level():
+    credit = load_example_script("agent_credit", folder="benchmark")
+    row = {"scores": [0.2, 0.55, 0.4, 0.8], "episodes_per_update": 16}
+    assert [credit.episodes_to_reach(row, level) for level in (0.5, 0.7, 0.9)] == [32, 64, None]

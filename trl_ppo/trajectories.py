@@ -1,0 +1,155 @@
+"""Trajectories you can look at again (`trajectory_dir`): each update's episodes written as JSON lines, and their
+advantages and losses recomputed from such a file without a model or sampling, so that advantage and critic code
+can be debugged and tested on CPU (`trl-ppo trajectories FILE`).
+
+One line per episode: the update, the process (`rank`), the prompt and response ids, `model_mask` (1 on the model's
+own tokens, 0 on tool answers), the first token of each model turn (`turn_starts`), the per-turn rewards, the score
+and the per-token `rewards`, `logprobs`, `ref_logprobs`, `values`, `advantages` and `returns` (over the response up
+to its last attended token), the settings the advantages used, and, with a tokenizer, the text of each model turn
+and tool answer (`segments`). Each process appends to its own file, `trajectories-<rank>.jsonl`: the advantages are
+whitened over one process's episodes, so one file's update recomputes alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from . import losses, ppo
+from .rollout import Rollout
+
+# The settings a recomputation needs, read from the config and written on every line.
+SETTINGS = ("gamma", "lam", "lam_value", "length_adaptive_lam_alpha", "gae_level", "cliprange", "cliprange_value",
+            "loss_agg_mode")  # fmt: skip
+
+
+def trajectory_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"trajectories-{rank}.jsonl")
+
+
+def _row(values: torch.Tensor, length: int) -> list:
+    return values[:length].tolist()
+
+
+def episode_records(
+    update: int, rank: int, rollout: Rollout, rewards: ppo.Rewards, advantages: ppo.Advantages, args, tokenizer=None
+) -> list[dict]:
+    """One JSON-ready dict per episode of an update (see the module's docstring)."""
+    settings = {name: getattr(args, name) for name in SETTINGS}
+    mask, attended = rollout.response_mask.cpu(), rollout.attended_responses.cpu()
+    lengths = (attended.long().cumsum(-1).argmax(-1) + 1).masked_fill(~attended.any(-1), 0).tolist()
+    starts = ppo.turn_starts(rollout.response_mask).cpu()
+    per_token = {
+        name: getattr(source, name).detach().float().cpu()
+        for source, names in ((rollout, ("logprobs", "ref_logprobs", "values")),
+                              (rewards, ("rewards",)), (advantages, ("advantages", "returns")))
+        for name in names
+    }  # fmt: skip
+    records = []
+    for i, length in enumerate(lengths):
+        query = rollout.queries[i][rollout.query_mask[i]].tolist()
+        record = {"update": update, "rank": rank, "episode": i, "query_ids": query, "response_length": mask.size(1)}
+        record["response_ids"] = _row(rollout.responses[i], length)
+        record["model_mask"] = [int(flag) for flag in _row(mask[i], length)]
+        record["turn_starts"] = starts[i].nonzero().flatten().tolist()
+        record["turn_rewards"] = None if rollout.turn_rewards is None else rollout.turn_rewards[i].tolist()
+        record["score"] = None if rollout.scores is None else float(rollout.scores[i])
+        for name in ("rewards", "logprobs", "ref_logprobs", "values", "advantages", "returns"):
+            record[name] = _row(per_token[name][i], length)
+        if tokenizer is not None:
+            record["segments"] = segments(record["response_ids"], record["model_mask"], tokenizer)
+        records.append(record | {"settings": settings})
+    return records
+
+
+def segments(response_ids: list[int], model_mask: list[int], tokenizer) -> list[dict]:
+    """The response as its runs of model and tool tokens: [{"role": "model" | "tool", "text": ...}]."""
+    runs: list[tuple[int, list[int]]] = []
+    for token, flag in zip(response_ids, model_mask):
+        if runs and runs[-1][0] == flag:
+            runs[-1][1].append(token)
+        else:
+            runs.append((flag, [token]))
+    return [{"role": "model" if flag else "tool", "text": tokenizer.decode(ids)} for flag, ids in runs]
+
+
+def write_update(directory: str, rank: int, records: list[dict]) -> None:
+    """Append one update's records to this process's file (the folder is made when missing)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(trajectory_file(directory, rank), "a", encoding="utf-8") as file:
+        file.writelines(json.dumps(record) + "\n" for record in records)
+
+
+def read_updates(path: str) -> dict[int, list[dict]]:
+    """{update: its episodes' records, in order} from one process's file."""
+    updates = defaultdict(list)
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {number}: not a JSON trajectory record ({error.msg}).") from None
+            updates[record["update"]].append(record)
+    return dict(updates)
+
+
+@dataclass
+class Recomputed:
+    """An update recomputed from its records: `[B, T]` tensors (zero outside the model's tokens) and the losses
+    at the update's start (new policy and values = the rollout's: ratio 1)."""
+
+    mask: torch.Tensor
+    advantages: ppo.Advantages
+    logged_advantages: torch.Tensor
+    logged_returns: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+
+
+def _padded(records: list[dict], name: str, width: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor([r[name] + [0] * (width - len(r[name])) for r in records], dtype=dtype)
+
+
+def recompute(records: list[dict]) -> Recomputed:
+    """The advantages, returns and losses of one update's records, from their logged rewards, values and masks
+    and the settings written with them (no model, no sampling)."""
+    settings = records[0]["settings"]
+    width = records[0]["response_length"]
+    mask = _padded(records, "model_mask", width, torch.bool)
+    rewards, values = _padded(records, "rewards", width), _padded(records, "values", width)
+    lambdas = (settings["lam"], settings["lam_value"], settings["length_adaptive_lam_alpha"])
+    advantages = ppo.advantages_and_returns(rewards, values, mask, settings["gamma"], *lambdas, settings["gae_level"])
+    aggregate = losses.LossAggregation(settings["loss_agg_mode"], None, width)
+    logprobs = _padded(records, "logprobs", width)
+    pg_loss, _ = losses.policy_loss(logprobs, logprobs, advantages.advantages, mask, settings["cliprange"],
+                                    aggregate=aggregate)  # fmt: skip
+    vf_loss, _ = losses.value_loss(values, values, advantages.returns, mask, settings["cliprange_value"], aggregate)
+    logged = (_padded(records, "advantages", width), _padded(records, "returns", width))
+    return Recomputed(mask, advantages, *logged, pg_loss, vf_loss)
+
+
+def trajectories_command(argv: list[str]) -> None:
+    """`trl-ppo trajectories FILE`: per update, its episodes, the largest difference between the advantages and
+    returns recomputed from the file and those logged, and the losses at the update's start."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="trl-ppo trajectories", description="Recompute advantages and losses from a trajectory file."
+    )
+    parser.add_argument("file", help="A `trajectories-<rank>.jsonl` written with `--trajectory_dir`.")
+    path = parser.parse_args(argv).file
+    try:
+        updates = read_updates(path)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"trl-ppo trajectories: {error}") from None
+    print("update  episodes  max|dA|  max|dR|  policy_loss  value_loss")
+    for update, records in sorted(updates.items()):
+        again = recompute(records)
+        d_adv = (again.advantages.advantages - again.logged_advantages).abs().max().item()
+        d_ret = (again.advantages.returns - again.logged_returns).abs().max().item()
+        print(f"{update:6d}  {len(records):8d}  {d_adv:7.1e}  {d_ret:7.1e}  {again.policy_loss.item():11.4g}  "
+              f"{again.value_loss.item():10.4g}")  # fmt: skip
