@@ -277,32 +277,48 @@ def model_sampler(model, tokenizer, temperature: float | None, batch_size: int =
     return sample_turn
 
 
-@torch.no_grad()
 def evaluate(
     model, tokenizer, problems, tools: bool, max_turns: int, budget: int, temperature: float | None = None, seed=0
 ) -> dict:
     """Episodes on `problems`, greedy (`temperature` None) or sampled with `seed` -> {"success", "tool_call_rate",
     "success_when_calling", "sample" (the first episode after its prompt)}."""
+    prompts = [prompt_ids(tokenizer, a, b) for a, b in problems]
+    result = evaluate_prompts(model, tokenizer, prompts, [a * b for a, b in problems], [multiply] if tools else None,
+                              max_turns, budget, temperature, seed)
+    del result["episodes"]  # the benchmark's rows keep the first one only
+    return result
+
+
+@torch.no_grad()
+def evaluate_prompts(model, tokenizer, prompts: list[list[int]], answers: list[int], tool_functions: list | None,
+                     max_turns: int, budget: int, temperature: float | None = None, seed=0, batch_size: int = 50,
+                     score=None) -> dict:
+    """Episodes from `prompts` (ids) with `tool_functions` answered (None: one turn, calls unanswered), greedy
+    (`temperature` None) or sampled with `seed` -> {"success", "tool_call_rate", "success_when_calling", "sample"
+    (the first episode after its prompt), "episodes" (each episode after its prompt)}. `score(completion, answer)`
+    -> bool judges an episode's model text (default `is_correct`)."""
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
     from trl_ppo.agents.turn_loop import Episode, run_turns
 
     was_training = model.training
     model.eval()
-    box = toolbox([multiply])
-    chat = ToolChat(tokenizer, schemas(box), tokenizer.eos_token_id) if tools else None
-    episodes = [Episode(prompt_ids(tokenizer, a, b), box) for a, b in problems]
+    box = toolbox(tool_functions or [])
+    chat = ToolChat(tokenizer, schemas(box), tokenizer.eos_token_id) if tool_functions else None
+    episodes = [Episode(list(prompt), box) for prompt in prompts]
     torch.manual_seed(seed)
-    run_turns(episodes, model_sampler(model, tokenizer, temperature), chat, max_turns if tools else 1, budget)
+    run_turns(episodes, model_sampler(model, tokenizer, temperature, batch_size), chat,
+              max_turns if tool_functions else 1, budget)
     model.train(was_training)
     completions = [tokenizer.decode([t for t, m in zip(e.response, e.model_mask) if m], skip_special_tokens=True)
                    for e in episodes]
-    correct = [is_correct(c, a * b) for c, (a, b) in zip(completions, problems)]
+    correct = [(score or is_correct)(c, answer) for c, answer in zip(completions, answers)]
     calling = [calls_tool(c) for c in completions]
     called_right = [ok for ok, call in zip(correct, calling) if call]
     return {
-        "success": sum(correct) / len(problems),
-        "tool_call_rate": sum(calling) / len(problems),
+        "success": sum(correct) / len(prompts),
+        "tool_call_rate": sum(calling) / len(prompts),
         "success_when_calling": sum(called_right) / len(called_right) if called_right else None,
         "sample": tokenizer.decode(episodes[0].response),
+        "episodes": [tokenizer.decode(e.response) for e in episodes],
     }
