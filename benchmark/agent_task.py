@@ -17,8 +17,9 @@
   nor after 700 steps weighted as here with the short block), so the model is 128 wide with 8 heads, RoPE's
   base is 100, the copied digits' loss is weighted 10x, and SFT first trains on demonstrations that all call
   the tool, then on the mix.
-* `evaluate`: greedy or sampled episodes on held-out problems through trl_ppo's own turn loop (`agents.turn_loop`), with the
-  tool answered (`tools=True`, up to `max_turns` turns) or not (one turn: a tool call then goes unanswered).
+* `evaluate`: greedy or sampled episodes on held-out problems through trl_ppo's own turn loop (`agents.turn_loop`),
+  with the tool answered (`tools=True`, up to `max_turns` turns) or not (one turn: a tool call then goes
+  unanswered); `evaluate_prompts` does it for any prompts, answers and tools (examples/scripts/agent_calculator.py).
 """
 
 from __future__ import annotations
@@ -152,14 +153,14 @@ def sft_conversation(a: int, b: int, rng: random.Random, tool_rate: float) -> li
     return prompt_messages(a, b) + [{"role": "assistant", "content": f"The answer is {guess}."}]
 
 
-def sft_example(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(ids, labels) of a conversation rendered with `tools=[multiply]`: labels are the ids of each assistant
-    turn up to and including its stop token, -100 elsewhere. The byte-level tokenizer encodes a concatenation
-    as the concatenation of the encodings, so the pieces are encoded one by one."""
+def sft_example(tokenizer, messages: list[dict], tools: tuple = (multiply,)) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a conversation rendered with `tools`: labels are the ids of each assistant turn up to and
+    including its stop token, -100 elsewhere. The pieces are encoded one by one (each turn as the model would
+    write it, after its header), which for a byte-level tokenizer is the encoding of the whole."""
 
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
-            messages[:upto], tools=[multiply], tokenize=False, add_generation_prompt=generation_prompt
+            messages[:upto], tools=list(tools), tokenize=False, add_generation_prompt=generation_prompt
         )
 
     ids, labels, done = [], [], ""

@@ -125,7 +125,8 @@ def test_the_calculator_computes_and_refuses_what_is_not_arithmetic():
     assert calc.calculator("(1,200 + 3) / 2") == "601.5"
     with pytest.raises(ValueError, match="unsupported"):
         calc.calculator("__import__('os')")
-    (text, answer), = calc.problems(1, seed=0)
+    (text, answer, expression), = calc.problems(1, seed=0)
+    assert calc.calculator(expression) == str(answer) and "Give the final answer" in calc.messages(text)[0]["content"]
     assert calc.is_correct(f"<tool_call>x</tool_call>The answer is {answer:,}.", answer)
     assert not calc.is_correct(f"{answer}<tool_call>x</tool_call>I do not know.", answer)
 
@@ -157,3 +158,20 @@ def test_the_stock_template_shows_tools_and_a_hermes_call_is_parsed_and_answered
     model_text = tokenizer.decode([t for t, m in zip(episode.response, episode.model_mask) if m],
                                   skip_special_tokens=True)
     assert calc.is_correct(model_text, 347 * 68) and "23596" not in model_text.split("</tool_call>")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN_CODER, "config.json")),
+                    reason=f"no converted Qwen2.5-Coder folder at {QWEN_CODER} (get_qwen_coder.py makes it)")
+def test_a_warm_start_demonstration_trains_the_hermes_call_and_answer_only():
+    import agent_task
+
+    calc = load_example_script("agent_calculator")
+    tokenizer = calc.load_tokenizer(QWEN_CODER)
+    row = calc.problems(1, seed=3)[0]
+    ids, labels = agent_task.sft_example(tokenizer, calc.demonstration(row), tools=(calc.calculator,))
+    full = tokenizer.apply_chat_template(calc.demonstration(row), tools=[calc.calculator], tokenize=False)
+    assert tokenizer.decode(ids) == full.rstrip("\n")  # the pieces encode as the whole conversation does
+    trained = tokenizer.decode([t for t in labels if t != -100])
+    assert trained == (f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{row[2]}"}}}}\n'
+                       f"</tool_call><|im_end|>The answer is {row[1]}.<|im_end|>")

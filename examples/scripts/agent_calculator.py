@@ -24,6 +24,8 @@ import re
 import sys
 import time
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))  # agent_task: the evaluation and the answer check
 import agent_task  # noqa: E402
@@ -58,26 +60,27 @@ def calculator(expression: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- the problems
-# (text, answer) makers: two- and three-digit factors, so that the products are beyond a 0.5B model's head.
+# (text, the expression that answers it): two- and three-digit factors, beyond a 0.5B model's head.
 TEMPLATES = (
-    ("A warehouse has {a} shelves and each shelf holds {b} boxes. How many boxes are in the warehouse?",
-     lambda a, b, c: a * b),
+    ("A warehouse has {a} shelves and each shelf holds {b} boxes. How many boxes are in the warehouse?", "{a} * {b}"),
     ("A farmer packs {a} crates with {b} apples each, then sells {c} apples. How many apples are left?",
-     lambda a, b, c: a * b - c),
+     "{a} * {b} - {c}"),
     ("A school buys {a} tickets at {b} dollars each and gets a {c} dollar discount. How much does it pay in dollars?",
-     lambda a, b, c: a * b - c),
+     "{a} * {b} - {c}"),
     ("A printer prints {a} pages per minute for {b} minutes, and then {c} more pages. How many pages does it print?",
-     lambda a, b, c: a * b + c),
+     "{a} * {b} + {c}"),
 )
 
 
-def word_problem(rng: random.Random) -> tuple[str, int]:
-    text, answer = rng.choice(TEMPLATES)
-    a, b, c = rng.randint(101, 999), rng.randint(11, 99), rng.randint(10, 99)
-    return text.format(a=a, b=b, c=c), answer(a, b, c)
+def word_problem(rng: random.Random) -> tuple[str, int, str]:
+    """(text, answer, the expression a calculator call would evaluate)."""
+    text, expression = rng.choice(TEMPLATES)
+    numbers = dict(a=rng.randint(101, 999), b=rng.randint(11, 99), c=rng.randint(10, 99))
+    expression = expression.format(**numbers)
+    return text.format(**numbers), int(calculator(expression)), expression
 
 
-def problems(count: int, seed: int) -> list[tuple[str, int]]:
+def problems(count: int, seed: int) -> list[tuple[str, int, str]]:
     rng = random.Random(seed)
     return [word_problem(rng) for _ in range(count)]
 
@@ -113,13 +116,31 @@ def load_tokenizer(model: str):
     return tokenizer
 
 
+def prompt_ids(tokenizer, held_out) -> list[list[int]]:
+    """The held-out prompts as the trainer renders them: Qwen2.5's stock template with the calculator's schema."""
+    return [tokenizer.apply_chat_template(messages(text), tools=[calculator], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"] for text, *_ in held_out]
+
+
 def evaluate(policy, tokenizer, held_out, args, temperature: float | None) -> dict:
-    prompts = [tokenizer.apply_chat_template(messages(text), tools=[calculator], add_generation_prompt=True,
-                                             tokenize=False) for text, _ in held_out]
-    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    return agent_task.evaluate_prompts(policy, tokenizer, ids, [a for _, a in held_out], [calculator], args.max_turns,
-                                       args.response_length, temperature, seed=0, batch_size=args.eval_batch,
-                                       score=is_correct)
+    return agent_task.evaluate_prompts(policy, tokenizer, prompt_ids(tokenizer, held_out), [row[1] for row in held_out],
+                                       [calculator], args.max_turns, args.response_length, temperature, seed=0,
+                                       batch_size=args.eval_batch, score=is_correct)
+
+
+@torch.no_grad()
+def tag_probability(policy, tokenizer, held_out) -> float:
+    """The mean probability that the model's reply opens with the `<tool_call>` token: the format being learnt,
+    seen even while it is too rare to be sampled (the stock model: about 2e-10)."""
+    tag = tokenizer.convert_tokens_to_ids("<tool_call>")
+    was_training = policy.training
+    policy.eval()
+    total = 0.0
+    for ids in prompt_ids(tokenizer, held_out):
+        logits = policy(input_ids=torch.tensor([ids])).logits[0, -1]
+        total += torch.softmax(logits.float(), -1)[tag].item()
+    policy.train(was_training)
+    return total / len(held_out)
 
 
 def report(name: str, result: dict, show: int) -> None:
@@ -128,9 +149,45 @@ def report(name: str, result: dict, show: int) -> None:
         print("    ---\n    " + episode.replace("\n", "\n    "), flush=True)
 
 
+def lora_config(args):
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def demonstration(row: tuple[str, int, str]) -> list[dict]:
+    """A conversation that calls the calculator with the problem's expression and gives its answer."""
+    text, answer, expression = row
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return messages(text) + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "name": "calculator", "content": str(answer)},
+                             {"role": "assistant", "content": f"The answer is {answer}."}]
+
+
+def warm_start(lm, tokenizer, rows, args):
+    """`args.sft_steps` steps of LoRA SFT on demonstrations (`args.sft_batch` each, loss on the assistant's turns),
+    the adapter merged into the weights -> the warm-started model (PPO's reference: its adapter is a new one)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(lm, lora_config(args))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.sft_learning_rate)
+    rng = random.Random(args.seed)
+    model.train()
+    for step in range(args.sft_steps):
+        start = time.process_time()
+        examples = [agent_task.sft_example(tokenizer, demonstration(row), tools=(calculator,))
+                    for row in rng.sample(rows, args.sft_batch)]
+        loss = model(**agent_task.sft_batch(tokenizer, examples)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        print(f"  SFT step {step + 1}: loss {loss.item():.4f}, {time.process_time() - start:.0f} CPU s", flush=True)
+    return model.merge_and_unload()
+
+
 def trainer_for(args, policy, tokenizer, train_rows):
     from datasets import Dataset
-    from peft import LoraConfig
 
     from trl_ppo import PPOConfig, PPOTrainer
 
@@ -144,12 +201,11 @@ def trainer_for(args, policy, tokenizer, train_rows):
         kl_coef=args.kl_coef, local_rollout_forward_batch_size=batch, num_sample_generations=0, seed=args.seed,
         save_strategy="no", report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
     )
-    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    dataset = Dataset.from_dict({"prompt": [messages(text) for text, _ in train_rows],
-                                 "answer": [answer for _, answer in train_rows]})
+    dataset = Dataset.from_dict({"prompt": [messages(text) for text, *_ in train_rows],
+                                 "answer": [answer for _, answer, _ in train_rows]})
     return PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None, value_model=None,
-                      reward_model=[answer_reward], train_dataset=dataset, tools=[calculator], peft_config=lora)
+                      reward_model=[answer_reward], train_dataset=dataset, tools=[calculator],
+                      peft_config=lora_config(args), callbacks=[progress_callback()])
 
 
 def parse_args(argv=None):
@@ -163,6 +219,10 @@ def parse_args(argv=None):
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--kl_coef", type=float, default=0.01)
     parser.add_argument("--lora_r", type=int, default=16)
+    parser.add_argument("--sft_steps", type=int, default=0,
+                        help="LoRA SFT steps on tool-calling demonstrations before PPO (0: PPO from the stock model)")
+    parser.add_argument("--sft_batch", type=int, default=4)
+    parser.add_argument("--sft_learning_rate", type=float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--response_length", type=int, default=128, help="tokens of a whole episode after the prompt")
     parser.add_argument("--max_turns", type=int, default=3)
@@ -172,11 +232,13 @@ def parse_args(argv=None):
     parser.add_argument("--show", type=int, default=3, help="conversations printed per evaluation")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("batch_size", "ppo_epochs", "response_length", "max_turns", "held_out", "eval_batch", "lora_r"):
+    for name in ("batch_size", "ppo_epochs", "response_length", "max_turns", "held_out", "eval_batch", "lora_r",
+                 "sft_batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.updates < 0:
-        parser.error(f"--updates must be at least 0, got {args.updates}")
+    for name in ("updates", "sft_steps"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be at least 0, got {getattr(args, name)}")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         parser.error(f"--model {args.model} is not a model folder: run examples/scripts/get_qwen_coder.py first")
     return args
@@ -184,6 +246,7 @@ def parse_args(argv=None):
 
 def evaluate_all(policy, tokenizer, held_out, args, when: str) -> None:
     start = time.process_time()
+    print(f"{when}: P(reply opens with <tool_call>) {tag_probability(policy, tokenizer, held_out):.3g}", flush=True)
     report(f"{when}, sampled at {args.temperature}", evaluate(policy, tokenizer, held_out, args, args.temperature),
            args.show)
     if args.greedy:
@@ -191,32 +254,51 @@ def evaluate_all(policy, tokenizer, held_out, args, when: str) -> None:
     print(f"[{when}: evaluation took {time.process_time() - start:.0f} CPU s]", flush=True)
 
 
+def progress_callback():
+    """Prints each update's CPU seconds (process time), mean score and tool calls per episode as it ends."""
+    from transformers import TrainerCallback
+
+    class Progress(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            logged = state.log_history[-1] if state.log_history else {}
+            print(f"  update {state.global_step}: {time.process_time() - self.start:.0f} CPU s, score "
+                  f"{logged.get('objective/scores', float('nan')):.3f}, tool calls/episode "
+                  f"{logged.get('env/tool_calls_mean', float('nan')):.2f}, tool errors "
+                  f"{logged.get('env/tool_errors', float('nan'))}", flush=True)
+
+    return Progress()
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import torch
+    from transformers import AutoModelForCausalLM
 
     from trl_ppo import AutoModelForCausalLMWithValueHead
 
     torch.manual_seed(args.seed)
     held_out = problems(args.held_out, HELD_OUT_SEED)
-    seen = {text for text, _ in held_out}
+    seen = {text for text, *_ in held_out}
     train_rows = [row for row in problems(max(512, args.batch_size * args.updates), TRAIN_SEED) if row[0] not in seen]
     tokenizer = load_tokenizer(args.model)
-    policy = AutoModelForCausalLMWithValueHead.from_pretrained(args.model, dtype=torch.float32)
-    evaluate_all(policy.pretrained_model, tokenizer, held_out, args, "before")
+    lm = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    evaluate_all(lm, tokenizer, held_out, args, "before")
+    if args.sft_steps:
+        start = time.process_time()
+        lm = warm_start(lm, tokenizer, train_rows, args)
+        print(f"[SFT: {args.sft_steps} steps took {time.process_time() - start:.0f} CPU s]", flush=True)
+        evaluate_all(lm, tokenizer, held_out, args, "after SFT")
     if args.updates == 0:
         return
+    policy = AutoModelForCausalLMWithValueHead.from_pretrained(lm)
     trainer = trainer_for(args, policy, tokenizer, train_rows)
     start = time.process_time()
     trainer.train()
-    seconds = time.process_time() - start
-    print(f"[training: {args.updates} updates of {args.batch_size} episodes took {seconds:.0f} CPU s, "
-          f"{seconds / args.updates:.0f} per update]", flush=True)
-    for entry in trainer.state.log_history:
-        if "objective/scores" in entry:
-            print(f"  episode {entry.get('episode')}: score {entry['objective/scores']:.3f}, tool calls/episode "
-                  f"{entry.get('env/tool_calls_mean', float('nan')):.2f}, tool errors {entry.get('env/tool_errors')}")
-    evaluate_all(policy.pretrained_model, tokenizer, held_out, args, "after")
+    print(f"[PPO: {args.updates} updates of {args.batch_size} episodes took {time.process_time() - start:.0f} CPU s, "
+          "set-up included]", flush=True)
+    evaluate_all(policy.pretrained_model, tokenizer, held_out, args, "after PPO")
 
 
 if __name__ == "__main__":
