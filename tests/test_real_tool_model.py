@@ -175,3 +175,14 @@ def test_a_warm_start_demonstration_trains_the_hermes_call_and_answer_only():
     trained = tokenizer.decode([t for t in labels if t != -100])
     assert trained == (f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{row[2]}"}}}}\n'
                        f"</tool_call><|im_end|>The answer is {row[1]}.<|im_end|>")
+
+
+def test_the_demo_refuses_bad_settings_before_loading_anything(tmp_path, capsys):
+    calc = load_example_script("agent_calculator")
+    (tmp_path / "config.json").write_text("{}")
+    for argv, message in ([["--batch_size", "6", "--micro_batch", "4"], "must be a multiple of --micro_batch"],
+                          [["--sft_steps", "-1"], "--sft_steps must be at least 0"],
+                          [["--model", str(tmp_path / "absent")], "run examples/scripts/get_qwen_coder.py first"]):
+        with pytest.raises(SystemExit):
+            calc.parse_args(["--model", str(tmp_path), *argv])
+        assert message in capsys.readouterr().err

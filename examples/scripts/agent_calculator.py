@@ -192,8 +192,9 @@ def trainer_for(args, policy, tokenizer, train_rows):
     from trl_ppo import PPOConfig, PPOTrainer
 
     batch = args.batch_size
-    config = PPOConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+    config = PPOConfig(  # micro-batches of `micro_batch` episodes: the backward of 8 at once needs ~7 GB more
+        output_dir=args.output_dir, per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=batch // args.micro_batch,
         total_episodes=batch * args.updates, num_ppo_epochs=args.ppo_epochs, num_mini_batches=1,
         learning_rate=args.learning_rate, temperature=args.temperature, response_length=args.response_length,
         max_turns=args.max_turns, max_tool_response_length=16, stop_token="eos", missing_eos_penalty=1.0,
@@ -215,13 +216,14 @@ def parse_args(argv=None):
     parser.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "agent_calculator"))
     parser.add_argument("--updates", type=int, default=8, help="PPO updates (0: evaluate only)")
     parser.add_argument("--batch_size", type=int, default=8, help="episodes per update")
+    parser.add_argument("--micro_batch", type=int, default=2, help="episodes per forward/backward pass of the update")
     parser.add_argument("--ppo_epochs", type=int, default=1)
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--kl_coef", type=float, default=0.01)
     parser.add_argument("--lora_r", type=int, default=16)
     parser.add_argument("--sft_steps", type=int, default=0,
                         help="LoRA SFT steps on tool-calling demonstrations before PPO (0: PPO from the stock model)")
-    parser.add_argument("--sft_batch", type=int, default=4)
+    parser.add_argument("--sft_batch", type=int, default=2, help="demonstrations per SFT step (4 need ~10 GB)")
     parser.add_argument("--sft_learning_rate", type=float, default=1e-4)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--response_length", type=int, default=128, help="tokens of a whole episode after the prompt")
@@ -232,10 +234,12 @@ def parse_args(argv=None):
     parser.add_argument("--show", type=int, default=3, help="conversations printed per evaluation")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("batch_size", "ppo_epochs", "response_length", "max_turns", "held_out", "eval_batch", "lora_r",
-                 "sft_batch"):
+    for name in ("batch_size", "micro_batch", "ppo_epochs", "response_length", "max_turns", "held_out", "eval_batch",
+                 "lora_r", "sft_batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.batch_size % args.micro_batch:
+        parser.error(f"--batch_size ({args.batch_size}) must be a multiple of --micro_batch ({args.micro_batch})")
     for name in ("updates", "sft_steps"):
         if getattr(args, name) < 0:
             parser.error(f"--{name} must be at least 0, got {getattr(args, name)}")
