@@ -259,7 +259,7 @@ def evaluate_all(policy, tokenizer, held_out, args, when: str) -> None:
 
 
 def progress_callback():
-    """Prints each update's CPU seconds (process time), mean score and tool calls per episode as it ends."""
+    """Prints each update's CPU seconds (process time) as it ends; the trainer's own log line has its metrics."""
     from transformers import TrainerCallback
 
     class Progress(TrainerCallback):
@@ -267,11 +267,7 @@ def progress_callback():
             self.start = time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            logged = state.log_history[-1] if state.log_history else {}
-            print(f"  update {state.global_step}: {time.process_time() - self.start:.0f} CPU s, score "
-                  f"{logged.get('objective/scores', float('nan')):.3f}, tool calls/episode "
-                  f"{logged.get('env/tool_calls_mean', float('nan')):.2f}, tool errors "
-                  f"{logged.get('env/tool_errors', float('nan'))}", flush=True)
+            print(f"  update {state.global_step}: {time.process_time() - self.start:.0f} CPU s", flush=True)
 
     return Progress()
 
