@@ -16,9 +16,10 @@ OMP_NUM_THREADS=1 to read them as one core's seconds).
 Measured on the stock model (16 held-out prompts): that probability is about 2e-10, with or without a system hint
 or a worked example in the prompt, so sampling never writes a parsed call and a correctness reward alone (PPO or
 GRPO) has nothing to learn from. `--sft_steps N` first runs N steps of LoRA SFT on tool-calling demonstrations
-(merged into the weights, so the reference is the warm-started model); 6 steps at lr 1e-3 raised the probability
-to 6e-5 but broke sampling, so suitable settings are still to be found. No learning has been seen with this script
-yet.
+(merged into the weights, so the reference is the warm-started model). LoRA on the blocks alone is not enough:
+6 steps at lr 1e-3, or 10 at 2e-4, raised that probability only to ~5e-5 while the reply's first token became
+junk from rare tokens; the `<tool_call>` row of the LM head itself probably has to be trained. No learning has
+been seen with this script yet.
 """
 
 from __future__ import annotations
