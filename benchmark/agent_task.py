@@ -17,8 +17,9 @@
   nor after 700 steps weighted as here with the short block), so the model is 128 wide with 8 heads, RoPE's
   base is 100, the copied digits' loss is weighted 10x, and SFT first trains on demonstrations that all call
   the tool, then on the mix.
-* `evaluate`: greedy or sampled episodes on held-out problems through trl_ppo's own turn loop (`agents.turn_loop`), with the
-  tool answered (`tools=True`, up to `max_turns` turns) or not (one turn: a tool call then goes unanswered).
+* `evaluate`: greedy or sampled episodes on held-out problems through trl_ppo's own turn loop (`agents.turn_loop`),
+  with the tool answered (`tools=True`, up to `max_turns` turns) or not (one turn: a tool call then goes
+  unanswered); `evaluate_prompts` does it for any prompts, answers and tools (examples/scripts/agent_calculator.py).
 """
 
 from __future__ import annotations
@@ -152,14 +153,14 @@ def sft_conversation(a: int, b: int, rng: random.Random, tool_rate: float) -> li
     return prompt_messages(a, b) + [{"role": "assistant", "content": f"The answer is {guess}."}]
 
 
-def sft_example(tokenizer, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[int]]:
-    """(ids, labels) of a conversation rendered with `tools` (default `[multiply]`): labels are the ids of each
-    assistant turn up to and including its stop token, -100 elsewhere. The byte-level tokenizer encodes a
-    concatenation as the concatenation of the encodings, so the pieces are encoded one by one."""
+def sft_example(tokenizer, messages: list[dict], tools: tuple = (multiply,)) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a conversation rendered with `tools`: labels are the ids of each assistant turn up to and
+    including its stop token, -100 elsewhere. The pieces are encoded one by one (each turn as the model would
+    write it, after its header), which for a byte-level tokenizer is the encoding of the whole."""
 
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
-            messages[:upto], tools=tools or [multiply], tokenize=False, add_generation_prompt=generation_prompt
+            messages[:upto], tools=list(tools), tokenize=False, add_generation_prompt=generation_prompt
         )
 
     ids, labels, done = [], [], ""
@@ -277,32 +278,48 @@ def model_sampler(model, tokenizer, temperature: float | None, batch_size: int =
     return sample_turn
 
 
-@torch.no_grad()
 def evaluate(
     model, tokenizer, problems, tools: bool, max_turns: int, budget: int, temperature: float | None = None, seed=0
 ) -> dict:
     """Episodes on `problems`, greedy (`temperature` None) or sampled with `seed` -> {"success", "tool_call_rate",
     "success_when_calling", "sample" (the first episode after its prompt)}."""
+    prompts = [prompt_ids(tokenizer, a, b) for a, b in problems]
+    result = evaluate_prompts(model, tokenizer, prompts, [a * b for a, b in problems], [multiply] if tools else None,
+                              max_turns, budget, temperature, seed)
+    del result["episodes"]  # the benchmark's rows keep the first one only
+    return result
+
+
+@torch.no_grad()
+def evaluate_prompts(model, tokenizer, prompts: list[list[int]], answers: list[int], tool_functions: list | None,
+                     max_turns: int, budget: int, temperature: float | None = None, seed=0, batch_size: int = 50,
+                     score=None) -> dict:
+    """Episodes from `prompts` (ids) with `tool_functions` answered (None: one turn, calls unanswered), greedy
+    (`temperature` None) or sampled with `seed` -> {"success", "tool_call_rate", "success_when_calling", "sample"
+    (the first episode after its prompt), "episodes" (each episode after its prompt)}. `score(completion, answer)`
+    -> bool judges an episode's model text (default `is_correct`)."""
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
     from trl_ppo.agents.turn_loop import Episode, run_turns
 
     was_training = model.training
     model.eval()
-    box = toolbox([multiply])
-    chat = ToolChat(tokenizer, schemas(box), tokenizer.eos_token_id) if tools else None
-    episodes = [Episode(prompt_ids(tokenizer, a, b), box) for a, b in problems]
+    box = toolbox(tool_functions or [])
+    chat = ToolChat(tokenizer, schemas(box), tokenizer.eos_token_id) if tool_functions else None
+    episodes = [Episode(list(prompt), box) for prompt in prompts]
     torch.manual_seed(seed)
-    run_turns(episodes, model_sampler(model, tokenizer, temperature), chat, max_turns if tools else 1, budget)
+    run_turns(episodes, model_sampler(model, tokenizer, temperature, batch_size), chat,
+              max_turns if tool_functions else 1, budget)
     model.train(was_training)
     completions = [tokenizer.decode([t for t, m in zip(e.response, e.model_mask) if m], skip_special_tokens=True)
                    for e in episodes]
-    correct = [is_correct(c, a * b) for c, (a, b) in zip(completions, problems)]
+    correct = [(score or is_correct)(c, answer) for c, answer in zip(completions, answers)]
     calling = [calls_tool(c) for c in completions]
     called_right = [ok for ok, call in zip(correct, calling) if call]
     return {
-        "success": sum(correct) / len(problems),
-        "tool_call_rate": sum(calling) / len(problems),
+        "success": sum(correct) / len(prompts),
+        "tool_call_rate": sum(calling) / len(prompts),
         "success_when_calling": sum(called_right) / len(called_right) if called_right else None,
         "sample": tokenizer.decode(episodes[0].response),
+        "episodes": [tokenizer.decode(e.response) for e in episodes],
     }

