@@ -1,0 +1,60 @@
+"""What the terminal shows is true (issue 38): prompts, completions and tool answers are shown as data (never as
+rich markup), tool answers keep their `[tool]` marks, the tools' schemas are not repeated in every row, the final
+table says how it was sampled, and the console logs print numbers as numbers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from conftest import needs_tool_parsing, tiny_config
+from test_agent_training import agent_trainer, scripted_sampler, tool_policy
+from trl_ppo import PPOTrainer
+from trl_ppo.agents import runner as agent_runner_module
+from trl_ppo.agents.tiny_chat import build_tool_tokenizer
+from trl_ppo.completions import print_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_closing_tags_in_a_cell_are_printed_not_parsed(capsys):
+    print_table([{"query": "[INST] Review the film [/INST]", "model response": "[/b] done [tool]42[/tool]"}], "t [/x]")
+    out = capsys.readouterr().out
+    assert "[INST] Review the film [/INST]" in out and "[/b] done [tool]42[/tool]" in out and "t [/x]" in out
+
+
+def test_a_llama_style_prompt_trains_and_shows_in_the_completions_table(make_config, capsys):
+    """A prompt in the Llama-2/Mistral chat format crashed `train()` with rich's MarkupError at update 0."""
+    tokenizer = build_tool_tokenizer()  # byte-level: the prompt decodes back to itself
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(tiny_config("qwen2", tokenizer))
+    trainer = PPOTrainer(
+        args=make_config(num_sample_generations=1, total_episodes=8, stop_token="eos", temperature=0.7),
+        processing_class=tokenizer, model=policy, ref_model=None, value_model=None,
+        reward_model=[lambda prompts, completions: [0.0] * len(completions)],
+        train_dataset=Dataset.from_dict({"prompt": ["[INST] Review the film [/INST]"] * 8}),
+    )
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "[INST] Review the film [/INST]" in out
+    assert "Completions at update 0 (sampled at temperature 0.7)" in out
+
+
+@needs_tool_parsing
+def test_the_table_shows_tool_marks_and_no_tool_schemas(make_config, monkeypatch, capsys):
+    tokenizer = build_tool_tokenizer()
+    monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted_sampler(tokenizer))
+    trainer = agent_trainer(make_config, tokenizer, lambda prompts, completions, **c: [0.0] * len(completions),
+                            per_device_eval_batch_size=2)
+    rows = trainer.generate_completions()
+    out = capsys.readouterr().out
+    assert "[tool]" in out and "[/tool]" in out
+    assert all('"parameters"' not in row["query"] and "What is" in row["query"] for row in rows)
+    assert '"parameters"' not in out  # no JSON schema of a tool anywhere in the table
+
+
+def test_the_demo_real_config_does_not_call_its_sampled_final_table_greedy():
+    config = (ROOT / "examples" / "configs" / "smollm2_sentiment.yaml").read_text()
+    assert "greedy" not in config and "sampled at `temperature`" in config
