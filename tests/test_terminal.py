@@ -58,3 +58,17 @@ def test_the_table_shows_tool_marks_and_no_tool_schemas(make_config, monkeypatch
 def test_the_demo_real_config_does_not_call_its_sampled_final_table_greedy():
     config = (ROOT / "examples" / "configs" / "smollm2_sentiment.yaml").read_text()
     assert "greedy" not in config and "sampled at `temperature`" in config
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_console_logs_print_numbers_as_numbers(make_config, tokenizer, load_models, prompt_dataset, capsys,
+                                               disable_tqdm):
+    from conftest import build_trainer
+
+    trainer = build_trainer(make_config(disable_tqdm=disable_tqdm), tokenizer, load_models, prompt_dataset)
+    trainer.train()
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if "objective/kl" in line]
+    assert lines, captured.out[-2000:] + captured.err[-2000:]
+    assert all("': '" not in line for line in lines), lines  # no value printed as a quoted string
+    assert "'episode': 8" in lines[0]

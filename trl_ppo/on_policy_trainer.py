@@ -60,6 +60,7 @@ class OnPolicyTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        reporting.numeric_log_lines(self)
         if use_cache is not None:  # `Trainer` sets it from `args.use_cache`; keep the saved policy's own value
             wrapper.config.use_cache = use_cache
         # The update scales its losses itself (`update.backward_scale`); some transformers versions (5.5.0, for
