@@ -72,3 +72,13 @@ def test_console_logs_print_numbers_as_numbers(make_config, tokenizer, load_mode
     assert lines, captured.out[-2000:] + captured.err[-2000:]
     assert all("': '" not in line for line in lines), lines  # no value printed as a quoted string
     assert "'episode': 8" in lines[0]
+
+
+def test_tool_errors_are_summed_over_the_updates_of_a_log_as_documented():
+    from trl_ppo.metrics import MetricsSinceLog
+
+    window = MetricsSinceLog()
+    for errors, kl in ((1.0, 0.2), (0.0, 0.4), (5.0, 0.6)):
+        window.add({"env/tool_errors": errors, "objective/kl": kl})
+    logs = window.pop()
+    assert logs["env/tool_errors"] == 6.0 and logs["objective/kl"] == pytest.approx(0.4)
