@@ -82,3 +82,27 @@ def test_tool_errors_are_summed_over_the_updates_of_a_log_as_documented():
         window.add({"env/tool_errors": errors, "objective/kl": kl})
     logs = window.pop()
     assert logs["env/tool_errors"] == 6.0 and logs["objective/kl"] == pytest.approx(0.4)
+
+
+def test_help_shows_what_trl_ppo_does_with_the_model_paths_not_trls_defaults(capsys):
+    from trl_ppo.cli import main
+
+    for flag in ("--help", "--help-all"):
+        with pytest.raises(SystemExit):
+            main([flag])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--sft_model_path VALUE The policy (and reference) to train, by default --model_name_or_path" in text
+        assert "--reward_model_path VALUE The reward model (it also starts the value model), required" in text
+        assert "pythia-160m" not in text
+
+
+def test_without_sft_model_path_the_policy_is_model_name_or_path():
+    from trl_ppo.cli import check_model_flags, parse
+
+    argv = ["--model_name_or_path", "org/policy", "--reward_model_path", "org/reward"]
+    script_args, training_args, model_args, argv = parse(argv)
+    check_model_flags(script_args, training_args, model_args, argv)
+    assert training_args.sft_model_path == "org/policy" and training_args.reward_model_path == "org/reward"
+    from trl_ppo import PPOConfig
+
+    assert PPOConfig(output_dir="x").sft_model_path == "EleutherAI/pythia-160m"  # TRL's field default, kept

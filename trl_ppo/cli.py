@@ -35,7 +35,23 @@ LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", 
 def build_parser() -> CliParser:
     parser = CliParser()
     describe_output_dir(parser)
+    describe_model_paths(parser)
     return parser
+
+
+def describe_model_paths(parser) -> None:
+    """`--sft_model_path` / `--reward_model_path` as `trl-ppo` uses them: their `PPOConfig` defaults (TRL's,
+    EleutherAI/pythia-160m) are never what `trl-ppo` trains with (`check_model_flags`), so `--help` does not show
+    them (`hide_default`); parsed, they keep them."""
+    helps = {
+        "sft_model_path": "The policy (and reference) to train, by default --model_name_or_path; a hub name or a "
+        "local folder.",
+        "reward_model_path": "The reward model (it also starts the value model), required with --model_name_or_path "
+        "unless --reward_function gives the reward; a hub name or a local folder.",
+    }
+    for action in parser._actions:
+        if action.dest in helps:
+            action.help, action.hide_default = helps[action.dest], True
 
 
 def parse(argv: list[str]):
@@ -175,8 +191,8 @@ def check_model_flags(
 ) -> None:
     """The model flags of `trl-ppo --model_name_or_path ...`, before anything is loaded: each path exists (or is a
     hub id), and the reward is named (`--reward_model_path` has a hub default from TRL's example, which would
-    silently score with an untrained model), by a reward model or a reward function, not both. With a reward
-    function and no `--sft_model_path`, the policy is `--model_name_or_path` (not the field's hub default)."""
+    silently score with an untrained model), by a reward model or a reward function, not both. Without
+    `--sft_model_path`, the policy is `--model_name_or_path` (not the field's hub default)."""
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
     if script_args.reward_function is not None and "--reward_model_path" in given:
         raise SystemExit("trl-ppo: --reward_function and --reward_model_path are both given: choose one reward.")
@@ -185,7 +201,7 @@ def check_model_flags(
             "trl-ppo: --model_name_or_path needs --reward_model_path (the reward and value model to train against) "
             "or --reward_function. Without either the run would score with an untrained default model."
         )
-    if script_args.reward_function is not None and "--sft_model_path" not in given:
+    if "--sft_model_path" not in given:
         training_args.sft_model_path = model_args.model_name_or_path
     check_model_source(model_args.model_name_or_path, "model_name_or_path")
     check_model_source(training_args.sft_model_path, "sft_model_path")
