@@ -106,3 +106,52 @@ def test_without_sft_model_path_the_policy_is_model_name_or_path():
     from trl_ppo import PPOConfig
 
     assert PPOConfig(output_dir="x").sft_model_path == "EleutherAI/pythia-160m"  # TRL's field default, kept
+
+
+def test_resume_command_spells_out_the_run_folder_and_drops_the_flags_it_replaces():
+    from trl_ppo.output_dirs import resume_command
+
+    argv = ["--config", "a b.yaml", "--output_dir=old", "--overwrite_output_dir", "--seed", "3",
+            "--resume_from_checkpoint", "x", "--overwrite-output-dir", "true"]
+    assert resume_command(argv, "runs/2026-11-26_10-00-00") == (
+        "trl-ppo train --config 'a b.yaml' --seed 3 --output_dir runs/2026-11-26_10-00-00 "
+        "--resume_from_checkpoint latest"
+    )
+
+
+@pytest.mark.slow
+def test_after_sigterm_the_cli_prints_the_command_that_resumes_this_run(tmp_path, monkeypatch, caplog):
+    """The default job writes a new dated folder at every start, so `--resume_from_checkpoint latest` alone would
+    look in a new, empty one: the message gives the command with the run's own folder, and that command resumes."""
+    import os
+    import shlex
+    import signal
+
+    from trl_ppo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    original_score = PPOTrainer.score
+
+    def score(self, rollout, batch):
+        if self.state.global_step == 1 and not getattr(self, "_signalled", False):
+            self._signalled = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_score(self, rollout, batch)
+
+    monkeypatch.setattr(PPOTrainer, "score", score)
+    flags = ["--total_episodes", "128", "--num_sample_generations", "0"]
+    with pytest.raises(SystemExit) as stopped:
+        main(flags)
+    assert stopped.value.code == 0
+    err = caplog.text
+    assert "Stopped by SIGTERM after update 1" in err and "train(resume_from_checkpoint=True)" not in err
+    command = err.split("Resume with this command:\n  ", 1)[1].splitlines()[0]
+    words = shlex.split(command)
+    assert words[:4] == ["trl-ppo", "train", *flags[:2]] and words[-1] == "latest"
+    run_folder = words[words.index("--output_dir") + 1]
+    assert run_folder.startswith("trl_ppo_default_run/") and (tmp_path / run_folder / "checkpoint-1").is_dir()
+    monkeypatch.setattr(PPOTrainer, "score", original_score)
+    caplog.clear()
+    main(words[2:])
+    assert f"Resuming from {run_folder}/checkpoint-1" in caplog.text
+    assert (tmp_path / run_folder / "trainer_state.json").is_file()

@@ -19,7 +19,7 @@ import sys
 
 from .cli_parser import CliParser, closest
 from .config import PPOConfig
-from .output_dirs import check_output_dir, default_run_folder, describe_output_dir, flag_given
+from .output_dirs import check_output_dir, default_run_folder, describe_output_dir, flag_given, resume_command
 from .script_args import (
     ModelConfig,
     ScriptArguments,
@@ -277,11 +277,13 @@ def prompt_datasets(script_args: ScriptArguments):
 
 
 def train_and_save(
-    training_args, model_args, tokenizer, policy, ref_policy, reward, value_model, datasets, dataset_name=None
+    training_args, model_args, tokenizer, policy, ref_policy, reward, value_model, datasets, dataset_name=None,
+    command: list[str] = (),
 ) -> None:
     """Train, save the policy (with its model card) to `output_dir`, then show the final completions table. A
     SIGTERM/SIGINT at the end of training or during the save lets the save finish and exits with status 0
-    (`PPOTrainer.train`, `save_model`); during the table, it ends the table, not the process."""
+    (`PPOTrainer.train`, `save_model`); during the table, it ends the table, not the process. `command`: the
+    flags `trl-ppo train` was given, for the command that resumes a run stopped by a signal."""
     from .checkpoint import PreemptionHandler
     from .trainer import PPOTrainer
 
@@ -301,6 +303,7 @@ def train_and_save(
     except ValueError as error:
         raise SystemExit(f"trl-ppo: {error}") from None
     trainer.model_card_dataset = dataset_name or "the prompts shipped with trl_ppo"
+    trainer.resume_hint = f"this command:\n  {resume_command(list(command), training_args.output_dir)}"
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
     if trainer.is_world_process_zero():
@@ -310,7 +313,7 @@ def train_and_save(
             trainer.generate_completions()
 
 
-def run_default_job(argv: list[str]) -> None:
+def run_default_job(argv: list[str], command: list[str] = ()) -> None:
     """Train the tiny embedded policy with the sentiment reward (on the shipped prompts by default), into a new
     folder under `trl_ppo_default_run/` unless `--output_dir` is given."""
     from . import default_job
@@ -333,10 +336,13 @@ def run_default_job(argv: list[str]) -> None:
         value_model,
         prompt_datasets(script_args),
         script_args.dataset_name,
+        command,
     )
 
 
-def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
+def run_from_models(
+    script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig, command: list[str] = ()
+) -> None:
     """Train models given by path/hub name on a prompt dataset (the TRL example's flow)."""
     reward_function = script_args.reward_function and load_reward_function(script_args.reward_function)
     tokenizer, policy, ref_policy, value_model, reward_model = load_models(training_args, model_args, reward_function)
@@ -350,6 +356,7 @@ def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, mode
         value_model,
         prompt_datasets(script_args),
         script_args.dataset_name,
+        command,
     )
 
 
@@ -367,14 +374,15 @@ def main(argv: list[str] | None = None) -> None:
 
         plot_command(argv)
     elif command == "train":
+        typed = argv
         script_args, training_args, model_args, argv = parse(argv)
         if model_args.model_name_or_path is None:
-            run_default_job(argv)
+            run_default_job(argv, typed)
         else:
             check_model_flags(script_args, training_args, model_args, argv)
             check_output_dir(training_args)
             check_resume_flag(training_args)
-            run_from_models(script_args, training_args, model_args)
+            run_from_models(script_args, training_args, model_args, typed)
     else:
         hint = closest(command, ("train", "plot", "env"))
         raise SystemExit(
