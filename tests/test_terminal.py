@@ -155,3 +155,37 @@ def test_after_sigterm_the_cli_prints_the_command_that_resumes_this_run(tmp_path
     main(words[2:])
     assert f"Resuming from {run_folder}/checkpoint-1" in caplog.text
     assert (tmp_path / run_folder / "trainer_state.json").is_file()
+
+
+def divide_by_zero(x: int) -> float:
+    """Divide by zero.
+
+    Args:
+        x: the numerator.
+    """
+    return x / 0
+
+
+async def also_raises(x: int) -> str:
+    """Fail asynchronously.
+
+    Args:
+        x: anything.
+    """
+    raise KeyError(f"missing {x}")
+
+
+def test_a_raising_tool_warns_once_with_its_first_traceback(caplog):
+    from trl_ppo.agents.execution import ToolCall, execute_calls
+    from trl_ppo.agents.tools import toolbox
+
+    tools = toolbox([divide_by_zero, also_raises])
+    calls = [[ToolCall("divide_by_zero", {"x": 1}), ToolCall("also_raises", {"x": 2})]] * 2
+    for _ in range(2):
+        results = execute_calls(calls, [tools] * 2)
+        assert all(result.error for episode in results for result in episode)  # still answers, not crashes
+    warnings = [record.getMessage() for record in caplog.records if "raised (the model reads" in record.getMessage()]
+    assert len(warnings) == 2, warnings  # one per tool, over four failures each
+    first, second = sorted(warnings)
+    assert "Tool 'also_raises'" in first and "KeyError: 'missing 2'" in first and "Traceback" in first
+    assert "Tool 'divide_by_zero'" in second and "return x / 0" in second and "ZeroDivisionError" in second

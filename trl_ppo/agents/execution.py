@@ -11,10 +11,16 @@ import asyncio
 import inspect
 import json
 import math
+import traceback
 from dataclasses import dataclass
+
+from transformers.utils import logging
 
 from ..rewards import call_reward_function
 from .tools import Tool
+
+logger = logging.get_logger(__name__)
+_FAILED_TOOLS: set[str] = set()  # tools whose first failure this process has shown
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ def _run_async(runs: list) -> list:
 
 def _as_result(name: str, returned) -> ToolResult:
     if isinstance(returned, BaseException):
+        warn_first_failure(name, returned)
         return ToolResult(name, f"Error: {name} raised {type(returned).__name__}: {returned}", error=True)
     reward = 0.0
     # Only `(str, number)` is `(text, reward)`: `divmod(7, 2)` or `(48.85, 2.35)` are answers, and so is a bool.
@@ -102,3 +109,14 @@ def _as_result(name: str, returned) -> ToolResult:
         except (TypeError, ValueError):
             returned = str(returned)
     return ToolResult(name, returned, reward=float(reward))
+
+
+def warn_first_failure(name: str, error: BaseException) -> None:
+    """The first exception of each tool, with its traceback, as a warning: the model reads every failure and
+    `env/tool_errors` counts them, but a bug in a tool is found in the traceback."""
+    if name in _FAILED_TOOLS:
+        return
+    _FAILED_TOOLS.add(name)
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+    logger.warning(f"Tool {name!r} raised (the model reads the error; later failures of it are counted in "
+                   f"`env/tool_errors` without a warning):\n{trace}")
