@@ -2,6 +2,7 @@
 rich markup), tool answers keep their `[tool]` marks, the tools' schemas are not repeated in every row, the final
 table says how it was sampled, and the console logs print numbers as numbers."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,35 @@ def test_a_raising_tool_warns_once_with_its_first_traceback(caplog):
     first, second = sorted(warnings)
     assert "Tool 'also_raises'" in first and "KeyError: 'missing 2'" in first and "Traceback" in first
     assert "Tool 'divide_by_zero'" in second and "return x / 0" in second and "ZeroDivisionError" in second
+
+
+@pytest.mark.parametrize(
+    "environ, cores, load, default, expected",
+    [
+        ({}, 2, 6.4, 2, 1),  # two cores shared with six busy processes: one thread
+        ({}, 16, 4.2, 16, 12),  # twelve cores left free
+        ({}, 2, 0.1, 2, None),  # idle: torch's own choice
+        ({"OMP_NUM_THREADS": "2"}, 2, 6.4, 2, None),  # the user's choice wins
+    ],
+)
+def test_cpu_threads_follow_the_free_cores_unless_the_user_chose(environ, cores, load, default, expected):
+    from trl_ppo.cpu_threads import chosen_threads
+
+    assert chosen_threads(environ, cores, load, default) == expected
+
+
+def test_trl_ppo_train_sets_the_threads_on_a_loaded_cpu(monkeypatch, capsys):
+    from trl_ppo import cli
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (40.0, 40.0, 40.0))
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cli, "run_default_job", lambda *args: None)
+    try:
+        torch.set_num_threads(2)  # torch's default on two cores
+        cli.main(["train"])
+        assert torch.get_num_threads() == 1
+        assert "trl-ppo: 1 CPU thread(s) (load 40.0" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)

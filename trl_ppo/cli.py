@@ -374,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
 
         plot_command(argv)
     elif command == "train":
+        from .cpu_threads import set_cpu_threads
+
+        set_cpu_threads()
         typed = argv
         script_args, training_args, model_args, argv = parse(argv)
         if model_args.model_name_or_path is None:
