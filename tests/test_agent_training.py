@@ -3,10 +3,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -187,20 +183,6 @@ def test_one_turn_through_the_turn_loop_is_bit_identical_to_single_turn_sampling
     assert plain_logs == [{k: v for k, v in e.items() if k not in agent_metrics} for e in loop_logs]
     for name, value in plain_weights.items():
         assert torch.equal(loop_weights[name], value), name
-
-
-@pytest.mark.slow
-@needs_tool_parsing
-def test_the_readme_agents_example_runs(tmp_path):
-    """The README's example, as a user would run it: a script of its own (a subprocess)."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    example = readme.split("<!-- agents-example -->\n```python\n", 1)[1].split("```", 1)[0]
-    script = tmp_path / "example.py"
-    script.write_text(example + "\nassert 'env/turns_mean' in trainer.state.log_history[-2]\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "'env/turns_mean'" in result.stdout and (tmp_path / "agents-out").is_dir()
 
 
 def random_sampler(tokenizer):

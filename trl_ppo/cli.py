@@ -20,7 +20,7 @@ import sys
 
 from .cli_parser import CliParser, closest
 from .config import PPOConfig
-from .output_dirs import check_output_dir, default_run_folder, describe_output_dir, flag_given
+from .output_dirs import check_output_dir, default_run_folder, describe_output_dir, flag_given, resume_command
 from .script_args import (
     ModelConfig,
     ScriptArguments,
@@ -36,7 +36,23 @@ LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", 
 def build_parser() -> CliParser:
     parser = CliParser()
     describe_output_dir(parser)
+    describe_model_paths(parser)
     return parser
+
+
+def describe_model_paths(parser) -> None:
+    """`--sft_model_path` / `--reward_model_path` as `trl-ppo` uses them: their `PPOConfig` defaults (TRL's,
+    EleutherAI/pythia-160m) are never what `trl-ppo` trains with (`check_model_flags`), so `--help` does not show
+    them (`hide_default`); parsed, they keep them."""
+    helps = {
+        "sft_model_path": "The policy (and reference) to train, by default --model_name_or_path; a hub name or a "
+        "local folder.",
+        "reward_model_path": "The reward model (it also starts the value model), required with --model_name_or_path "
+        "unless --reward_function gives the reward; a hub name or a local folder.",
+    }
+    for action in parser._actions:
+        if action.dest in helps:
+            action.help, action.hide_default = helps[action.dest], True
 
 
 def parse(argv: list[str]):
@@ -176,8 +192,8 @@ def check_model_flags(
 ) -> None:
     """The model flags of `trl-ppo --model_name_or_path ...`, before anything is loaded: each path exists (or is a
     hub id), and the reward is named (`--reward_model_path` has a hub default from TRL's example, which would
-    silently score with an untrained model), by a reward model or a reward function, not both. With a reward
-    function and no `--sft_model_path`, the policy is `--model_name_or_path` (not the field's hub default)."""
+    silently score with an untrained model), by a reward model or a reward function, not both. Without
+    `--sft_model_path`, the policy is `--model_name_or_path` (not the field's hub default)."""
     given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
     if script_args.reward_function is not None and "--reward_model_path" in given:
         raise SystemExit("trl-ppo: --reward_function and --reward_model_path are both given: choose one reward.")
@@ -186,7 +202,7 @@ def check_model_flags(
             "trl-ppo: --model_name_or_path needs --reward_model_path (the reward and value model to train against) "
             "or --reward_function. Without either the run would score with an untrained default model."
         )
-    if script_args.reward_function is not None and "--sft_model_path" not in given:
+    if "--sft_model_path" not in given:
         training_args.sft_model_path = model_args.model_name_or_path
     check_model_source(model_args.model_name_or_path, "model_name_or_path")
     check_model_source(training_args.sft_model_path, "sft_model_path")
@@ -262,11 +278,13 @@ def prompt_datasets(script_args: ScriptArguments):
 
 
 def train_and_save(
-    training_args, model_args, tokenizer, policy, ref_policy, reward, value_model, datasets, dataset_name=None
+    training_args, model_args, tokenizer, policy, ref_policy, reward, value_model, datasets, dataset_name=None,
+    command: list[str] = (),
 ) -> None:
     """Train, save the policy (with its model card) to `output_dir`, then show the final completions table. A
     SIGTERM/SIGINT at the end of training or during the save lets the save finish and exits with status 0
-    (`PPOTrainer.train`, `save_model`); during the table, it ends the table, not the process."""
+    (`PPOTrainer.train`, `save_model`); during the table, it ends the table, not the process. `command`: the
+    flags `trl-ppo train` was given, for the command that resumes a run stopped by a signal."""
     from .checkpoint import PreemptionHandler
     from .trainer import PPOTrainer
 
@@ -286,6 +304,7 @@ def train_and_save(
     except ValueError as error:
         raise SystemExit(f"trl-ppo: {error}") from None
     trainer.model_card_dataset = dataset_name or "the prompts shipped with trl_ppo"
+    trainer.resume_hint = f"this command:\n  {resume_command(list(command), training_args.output_dir)}"
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
     if trainer.is_world_process_zero():
@@ -295,7 +314,7 @@ def train_and_save(
             trainer.generate_completions()
 
 
-def run_default_job(argv: list[str]) -> None:
+def run_default_job(argv: list[str], command: list[str] = ()) -> None:
     """Train the tiny embedded policy with the sentiment reward (on the shipped prompts by default), into a new
     folder under `trl_ppo_default_run/` unless `--output_dir` is given."""
     from . import default_job
@@ -318,10 +337,13 @@ def run_default_job(argv: list[str]) -> None:
         value_model,
         prompt_datasets(script_args),
         script_args.dataset_name,
+        command,
     )
 
 
-def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
+def run_from_models(
+    script_args: ScriptArguments, training_args: PPOConfig, model_args: ModelConfig, command: list[str] = ()
+) -> None:
     """Train models given by path/hub name on a prompt dataset (the TRL example's flow)."""
     reward_function = script_args.reward_function and load_reward_function(script_args.reward_function)
     tokenizer, policy, ref_policy, value_model, reward_model = load_models(training_args, model_args, reward_function)
@@ -335,6 +357,7 @@ def run_from_models(script_args: ScriptArguments, training_args: PPOConfig, mode
         value_model,
         prompt_datasets(script_args),
         script_args.dataset_name,
+        command,
     )
 
 
@@ -356,14 +379,18 @@ def main(argv: list[str] | None = None) -> None:
 
         trajectories_command(argv)
     elif command == "train":
+        from .cpu_threads import set_cpu_threads
+
+        set_cpu_threads()
+        typed = argv
         script_args, training_args, model_args, argv = parse(argv)
         if model_args.model_name_or_path is None:
-            run_default_job(argv)
+            run_default_job(argv, typed)
         else:
             check_model_flags(script_args, training_args, model_args, argv)
             check_output_dir(training_args)
             check_resume_flag(training_args)
-            run_from_models(script_args, training_args, model_args)
+            run_from_models(script_args, training_args, model_args, typed)
     else:
         hint = closest(command, ("train", "plot", "env", "trajectories"))
         raise SystemExit(

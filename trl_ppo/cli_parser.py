@@ -80,11 +80,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        hidden = getattr(action, "hide_default", False)  # a default `trl-ppo` never uses (`cli.describe_model_paths`)
         if self.full:
-            return super()._get_help_string(action)
+            return text if hidden else super()._get_help_string(action)
         match = FIRST_SENTENCE.match(text)
         text = match.group(1) if match else text
-        return text if action.default in (None, argparse.SUPPRESS) else f"{text} (default: %(default)s)"
+        return text if hidden or action.default in (None, argparse.SUPPRESS) else f"{text} (default: %(default)s)"
 
 
 class FullHelp(argparse.Action):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .data import prompts_on_device
 from .models import PreparedModels
@@ -13,13 +14,15 @@ from .rollout import Sampling, chunks, sample_rollout
 
 
 def print_table(rows: list[dict], title: str, max_rows: int = 10) -> None:
-    """Print rows (dicts with the same keys: the columns) as a table, at most `max_rows`; floats with 3 decimals."""
-    table = Table(title=title, show_lines=True)
+    """Print rows (dicts with the same keys: the columns) as a table, at most `max_rows`; floats with 3 decimals.
+    Every cell and the title are plain `Text`: prompts, completions and tool answers are data, and rich would read
+    `[/INST]` as a closing tag (a `MarkupError`) and swallow `[tool]` as a style."""
+    table = Table(title=Text(title), show_lines=True)
     columns = list(rows[0]) if rows else []
     for column in columns:
-        table.add_column(column, overflow="fold")
+        table.add_column(Text(column), overflow="fold")
     for row in rows[:max_rows]:
-        table.add_row(*(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in columns))
+        table.add_row(*(Text(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c])) for c in columns))
     Console().print(table)
 
 
@@ -59,19 +62,20 @@ def sample_completions(
     """Sample and score a completion for each of the first `count` prompts of `dataset`, `batch_size` at a time
     -> rows of `query`, `model response` and `score` (every process its own rows). `where` labels reward errors.
     `play(batch)`: the rollout of a batch, where it is not one sampled response (multi-turn episodes, whose
-    tool answers the table shows marked: `marked_responses`)."""
+    tool answers the table shows marked: `marked_responses`; their `query` is the dataset's prompt, without the
+    tools' schemas the episode's prompt is rendered with)."""
     tokenizer = scoring.tokenizer
     rows = []
     for part in chunks(count, batch_size):
         batch = collate([dataset[i] for i in range(part.start, part.stop)])
+        queries, query_mask = prompts_on_device(batch, models.accelerator.device, sampling.pad_token_id)
         if play is None:
-            queries, query_mask = prompts_on_device(batch, models.accelerator.device, sampling.pad_token_id)
             rollout = sample_rollout(models, queries, query_mask, sampling)
-        else:
+        else:  # the dataset's prompt is shown: the episode's own lists every tool's JSON schema, the same each row
             rollout = play(batch)
         scores, _ = scoring(rollout, batch, where)
         texts = zip(
-            decode_texts(tokenizer, rollout.queries, rollout.query_mask),
+            decode_texts(tokenizer, queries, query_mask),
             marked_responses(tokenizer, rollout),
             scores.tolist(),
         )

@@ -9,8 +9,10 @@ import torch
 from . import ppo
 from .rollout import Rollout
 
-# Reported as of the latest update; every other metric is averaged over the updates since the last log.
+# Reported as of the latest update; summed over the updates since the last log (counts of events); every other
+# metric is averaged over the updates since the last log.
 LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates", "objective/kl_coef")
+SUMMED_METRICS = ("env/tool_errors",)
 
 
 def episodes_per_second(episodes: int, seconds: float) -> float:
@@ -87,8 +89,15 @@ def reward_metrics(scores_per_reward: dict, accelerator) -> dict[str, float]:
     return metrics
 
 
+def window_value(key: str, values: list[float]) -> float:
+    """What a log reports of a metric's values over the updates since the previous log."""
+    if key in LATEST_VALUE_METRICS:
+        return values[-1]
+    return sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+
+
 class MetricsSinceLog:
-    """Collects each update's metrics until the next log, then reports their means."""
+    """Collects each update's metrics until the next log, then reports their means (`window_value`)."""
 
     def __init__(self) -> None:
         self.values: dict[str, list[float]] = defaultdict(list)
@@ -101,10 +110,7 @@ class MetricsSinceLog:
         return bool(self.values)
 
     def pop(self) -> dict[str, float]:
-        logs = {
-            key: values[-1] if key in LATEST_VALUE_METRICS else sum(values) / len(values)
-            for key, values in self.values.items()
-        }
+        logs = {key: window_value(key, values) for key, values in self.values.items()}
         self.values.clear()
         return logs
 

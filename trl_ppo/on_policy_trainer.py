@@ -60,6 +60,7 @@ class OnPolicyTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
+        reporting.numeric_log_lines(self)
         if use_cache is not None:  # `Trainer` sets it from `args.use_cache`; keep the saved policy's own value
             wrapper.config.use_cache = use_cache
         # The update scales its losses itself (`update.backward_scale`); some transformers versions (5.5.0, for
@@ -232,9 +233,11 @@ class OnPolicyTrainer(Trainer):
     def _exit_after_checkpoint(self, signal_name: str | None, resume_point: ckpt.ResumePoint | None) -> None:
         step, last = self.state.global_step, self.run.last_checkpoint
         path = last[1] if last is not None and last[0] == step else self._write_checkpoint(resume_point)
+        # `trl-ppo` sets `resume_hint` to the command that resumes this run (`output_dirs.resume_command`)
+        resume = getattr(self, "resume_hint", None) or "`train(resume_from_checkpoint=True)`."
         logger.warning(
             f"Stopped by {signal_name or 'a signal'} after update {step} of {self.args.num_total_batches}; "
-            f"checkpoint: {path}. Resume with `train(resume_from_checkpoint=True)`."
+            f"checkpoint: {path}. Resume with {resume}"
         )
         raise SystemExit(0)
 

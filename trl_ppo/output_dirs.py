@@ -5,6 +5,7 @@ itself refuses a folder with checkpoints, `checkpoint.folders.checkpoint_to_resu
 from __future__ import annotations
 
 import os
+import shlex
 import time
 
 from .checkpoint.folders import checkpoint_folders
@@ -62,3 +63,29 @@ def check_output_dir(training_args: PPOConfig) -> None:
             f"trl-ppo: --output_dir {output_dir} holds an earlier run (its trained model and trainer_state.json): "
             "add --overwrite_output_dir to replace it, or choose another --output_dir."
         )
+
+
+RUN_FOLDER_FLAGS = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
+BOOL_WORDS = ("true", "false", "yes", "no", "1", "0")
+
+
+def resume_command(argv: list[str], output_dir: str) -> str:
+    """The command that resumes this run, as the user typed it but with its folder spelled out: `--output_dir` the
+    run's own (the default job's dated folder, or `make demo-real`'s, is another one at every start) and
+    `--resume_from_checkpoint latest`. Under several processes, through `accelerate launch` with its own flags."""
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0][2:].replace("-", "_") if arg.startswith("--") else None
+        if name in RUN_FOLDER_FLAGS:
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            takes_value = name != "overwrite_output_dir" or (following or "").lower() in BOOL_WORDS
+            skip = "=" not in arg and following is not None and takes_value
+            continue
+        kept.append(arg)
+    flags = shlex.join([*kept, "--output_dir", output_dir, "--resume_from_checkpoint", "latest"])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"accelerate launch <the same launch options> -m trl_ppo train {flags}"
+    return f"trl-ppo train {flags}"

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -182,6 +183,39 @@ def show_progress(callbacks: list, metrics: dict) -> None:
                 score=f"{metrics['objective/scores']:.3g}",
                 kl=f"{metrics['objective/kl']:.3g}",
             )
+
+
+def log_line(logs: dict) -> str:
+    """A log as printed in the terminal: floats to 4 significant digits, printed as numbers (transformers' own
+    callbacks print them as quoted strings, `'objective/kl': '0.4666'`, beside unquoted ints)."""
+    shown = {key: float(f"{value:.4g}") if isinstance(value, float) else value for key, value in logs.items()}
+    shown.pop("total_flos", None)
+    return str(shown)
+
+
+class ProgressLogLines(ProgressCallback):
+    """transformers' progress bar, its log lines written by `log_line`."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None:
+            self.training_bar.write(log_line(logs or {}))
+
+
+class PrintedLogLines(PrinterCallback):
+    """transformers' printer of logs (`disable_tqdm=True`), its lines written by `log_line`."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_local_process_zero and logs is not None:
+            print(log_line(logs))
+
+
+def numeric_log_lines(trainer) -> None:
+    """Swap the trainer's default progress bar or printer (exactly those classes) for the ones of `log_line`."""
+    for default, replacement in ((ProgressCallback, ProgressLogLines), (PrinterCallback, PrintedLogLines)):
+        found = [callback for callback in trainer.callback_handler.callbacks if type(callback) is default]
+        for callback in found:
+            trainer.remove_callback(callback)
+            trainer.add_callback(replacement)
 
 
 def warn_on_failure(what: str, write, *args) -> bool:

@@ -406,7 +406,8 @@ class PPOTrainer(OnPolicyTrainer):
         where, play = f"Completions table at update {step}", None if self.agents is None else self.collect_rollout
         rows = sample_completions(dataset, count, args.per_device_eval_batch_size, *pieces, where=where, play=play)
         if self.accelerator.is_main_process:
-            show_table(rows, f"Completions at update {step}", args.report_to, step)
+            show_table(rows, f"Completions at update {step} (sampled at temperature {args.temperature:g})",
+                       args.report_to, step)
         return rows
 
     # ------------------------------------------------------------------------------ what the steps share

@@ -15,13 +15,18 @@ import asyncio
 import inspect
 import json
 import math
+import traceback
 from dataclasses import dataclass
+
+from transformers.utils import logging
 
 from .. import async_loop
 from .tools import Tool
 
+logger = logging.get_logger(__name__)
 UNPARSED = object()  # the arguments of a call whose markup could not be parsed
 _TIMED_OUT = object()
+_FAILED_TOOLS: set[str] = set()  # tools whose first failure this process has shown
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,7 @@ def _as_result(name: str, returned, timeout: float | None = None) -> ToolResult:
         message = f"Error: {name} did not answer within {timeout:g} s; the call was abandoned."
         return ToolResult(name, message, error=True, timed_out=True)
     if isinstance(returned, BaseException):
+        warn_first_failure(name, returned)
         return ToolResult(name, f"Error: {name} raised {type(returned).__name__}: {returned}", error=True)
     reward = 0.0
     # Only `(str, number)` is `(text, reward)`: `divmod(7, 2)` or `(48.85, 2.35)` are answers, and so is a bool.
@@ -146,3 +152,14 @@ def _as_result(name: str, returned, timeout: float | None = None) -> ToolResult:
         except (TypeError, ValueError):
             returned = str(returned)
     return ToolResult(name, returned, reward=float(reward))
+
+
+def warn_first_failure(name: str, error: BaseException) -> None:
+    """The first exception of each tool, with its traceback, as a warning: the model reads every failure and
+    `env/tool_errors` counts them, but a bug in a tool is found in the traceback."""
+    if name in _FAILED_TOOLS:
+        return
+    _FAILED_TOOLS.add(name)
+    trace = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+    logger.warning(f"Tool {name!r} raised (the model reads the error; later failures of it are counted in "
+                   f"`env/tool_errors` without a warning):\n{trace}")
