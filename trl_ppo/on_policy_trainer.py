@@ -9,6 +9,7 @@ It reads only what it defines itself or what `transformers.Trainer` defines, and
 from __future__ import annotations
 
 import time
+import weakref
 
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
@@ -117,11 +118,14 @@ class OnPolicyTrainer(Trainer):
 
     def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
         """Begin a run of `train()` or `step()`: fresh (None; `output_dir` must hold no checkpoint, unless
-        `overwrite_output_dir`) or resumed (a checkpoint, or True for the newest in `output_dir`)."""
+        `overwrite_output_dir`) or resumed (a checkpoint, or True for the newest in `output_dir`), holding the run
+        lock of `output_dir` (`checkpoint.run_lock`)."""
         args = self.args
         start = ckpt.start_checkpoint(
             args.output_dir, resume_from_checkpoint, self.accelerator, self._run_identity, args.overwrite_output_dir
         )
+        # `train()` releases the run lock at its end; a run driven by `step()` holds it while its trainer lives
+        weakref.finalize(self, ckpt.release_run_lock, args.output_dir)
         self._begin_training(start)
 
     def _begin_training(self, start: ckpt.RunStart) -> None:

@@ -162,6 +162,14 @@ class PPOTrainer(OnPolicyTrainer):
             raise ValueError("`train()` samples from `train_dataset`, and none was given (use `step()` without one).")
         self._scoring()  # without a reward, fail before any compute
         self._start_run(resume_from_checkpoint)
+        try:  # the run lock of `output_dir` (taken by `_start_run`) is released however the run ends
+            return self._run_updates()
+        finally:
+            ckpt.release_run_lock(args.output_dir)
+
+    def _run_updates(self) -> TrainOutput:
+        """`train()`'s updates, from the one after `state.global_step` to the last, then the run's end."""
+        args = self.args
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
         batches = data.batches_forever(self.train_dataloader, self._sampler, self.run)
