@@ -244,12 +244,20 @@ class OnPolicyTrainer(Trainer):
 
     # ---------------------------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model`, after every process has checked the weights finite (`saving.check_finite_weights`;
-        a checkpoint, `_internal_call`, has checked them itself, with its own message)."""
-        if not _internal_call:
-            weights = named_weights(self.accelerator.unwrap_model(self.model))
-            saving.check_finite_weights(self.accelerator, weights, output_dir or self.args.output_dir)
-        super().save_model(output_dir, _internal_call=_internal_call)
+        """`Trainer.save_model`, after every process has checked the weights finite (`saving.check_finite_weights`),
+        written whole or not at all: staged in `output_dir`, verified, then moved into place (`_write_models`,
+        `saving.save_atomically`). A checkpoint (`_internal_call`) checks and stages its whole folder itself."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call:
+            return self._write_models(output_dir, _internal_call=True)
+        weights = named_weights(self.accelerator.unwrap_model(self.model))
+        saving.check_finite_weights(self.accelerator, weights, output_dir)
+        needed = saving.parameter_bytes(self.accelerator.unwrap_model(self.model))
+        saving.save_atomically(output_dir, self._write_models, self.args.should_save, needed)
+
+    def _write_models(self, folder: str, _internal_call: bool = False) -> None:
+        """What `save_model` writes into `folder`: the policy, through `Trainer.save_model` (-> `_save`)."""
+        super().save_model(folder, _internal_call=_internal_call)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Overrides `Trainer._save` (private: `Trainer.save_model` calls it, no public hook exists; checked

@@ -434,9 +434,9 @@ class PPOTrainer(OnPolicyTrainer):
         with status 0."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if _internal_call:  # a checkpoint's part: the checkpoint guards the whole write
-            return self._save_models(output_dir, _internal_call)
+            return super().save_model(output_dir, _internal_call)
         with ckpt.PreemptionHandler() as preemption:
-            self._save_models(output_dir, _internal_call)
+            super().save_model(output_dir)  # staged, verified, moved into place: whole or not at all
             if self.args.should_save:
                 reporting.warn_on_failure("the model card", self._write_model_card, output_dir)
         if preemption.requested:
@@ -448,12 +448,12 @@ class PPOTrainer(OnPolicyTrainer):
         lm, history = self._models().wrapper.lm, self.state.log_history
         saving.write_model_card(output_dir, self.args, history, lm, self.rewards, dataset)
 
-    def _save_models(self, output_dir: str, _internal_call: bool) -> None:
+    def _write_models(self, folder: str, _internal_call: bool = False) -> None:
         """The policy (`Trainer.save_model` -> `_save`) and, in checkpoints or with `save_value_model`, the value
-        model."""
-        super().save_model(output_dir, _internal_call=_internal_call)
+        model, into `folder`."""
+        super()._write_models(folder, _internal_call)
         if _internal_call or self.args.save_value_model:
-            saving.save_value_model(self._models(), os.path.join(output_dir, "value_model"), self.args.should_save)
+            saving.save_value_model(self._models(), os.path.join(folder, "value_model"), self.args.should_save)
 
 
 __all__ = ["PPOTrainer"]

@@ -23,7 +23,7 @@ from .. import step_api as episodes
 from ..checkpoint.weights import named_weights
 from ..completions import log_table_to_wandb
 from ..models import context_length
-from ..saving import check_finite_weights
+from ..saving import check_finite_weights, parameter_bytes, save_atomically
 from ..trainer import PPOTrainer as CorePPOTrainer
 from ..value_head import check_save_directory, is_value_head_model
 from .config import PPOConfig, core_config
@@ -237,10 +237,14 @@ class PPOTrainer:
         if dist.deepspeed_zero_stage(self.accelerator) is not None:
             state_dict = self.accelerator.get_state_dict(self.trainer.model)
             state_dict = {k[len("policy.") :]: v for k, v in (state_dict or {}).items() if k.startswith("policy.")}
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process:  # staged, verified, moved into place: whole or not at all
             model = self.accelerator.unwrap_model(self.model)
-            model.save_pretrained(save_directory, state_dict=state_dict)
-            self.tokenizer.save_pretrained(save_directory)
+
+            def write(folder: str) -> None:
+                model.save_pretrained(folder, state_dict=state_dict)
+                self.tokenizer.save_pretrained(folder)
+
+            save_atomically(save_directory, write, needed_bytes=parameter_bytes(model))
 
     def save_checkpoint(self) -> str:
         """Write `<config.output_dir>/checkpoint-<steps>`: the model and value head, optimizer, scheduler, KL
