@@ -13,7 +13,7 @@ import time
 
 from transformers.utils import logging
 
-from .manifest import MANIFEST_NAME, checkpoint_problem
+from .manifest import MANIFEST_NAME, checkpoint_problem, unreadable_weights
 
 logger = logging.get_logger(__name__)
 
@@ -85,12 +85,12 @@ def written_before_manifests(path: str) -> bool:
 
 def verified_problem(path: str) -> str | None:
     """What makes checkpoint `path` unusable (`manifest.checkpoint_problem`), or None if it verifies. One
-    written before manifests cannot be verified: it is used, with a warning. The verdict is kept for this process
+    written before manifests cannot be verified: it is used, with a warning, if its weights files read whole. The verdict is kept for this process
     while no file of the folder changes name, size or modification time: the CLI's early check and `train()`'s
     then hash a large checkpoint once, not twice."""
-    if written_before_manifests(path):
+    if written_before_manifests(path):  # only its weights files' headers can be checked
         logger.warning(f"{path} was written by a trl_ppo without checkpoint manifests: its files are not verified.")
-        return None
+        return unreadable_weights(path)
     key, fingerprint = os.path.realpath(path), folder_fingerprint(path)
     if _VERDICTS.get(key, (None,))[0] != fingerprint:
         _VERDICTS[key] = (fingerprint, checkpoint_problem(path))
