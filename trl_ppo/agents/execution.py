@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..rewards import call_reward_function
+from ..rewards import MAX_ABS_SCORE, call_reward_function
 from .tools import Tool
 
 
@@ -96,6 +96,11 @@ def _as_result(name: str, returned) -> ToolResult:
         returned, reward = returned
         if not math.isfinite(reward):
             raise ValueError(f"Tool {name!r} returned the turn reward {reward}: a turn reward must be finite.")
+        if abs(reward) > MAX_ABS_SCORE:  # as scores are refused: PPO squares rewards, which overflows
+            raise ValueError(
+                f"Tool {name!r} returned the turn reward {reward:g}, beyond ±{MAX_ABS_SCORE:g}: rescale the rewards "
+                "that tool returns."
+            )
     if not isinstance(returned, str):
         try:
             returned = json.dumps(returned)
