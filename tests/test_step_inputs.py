@@ -15,7 +15,8 @@ BAD_GENERATION_KWARGS = [
     (dict(temperature=-1.0), r"`temperature` must be a finite number > 0 .*got -1\.0"),
     (dict(temperature=0), r"`temperature` must be a finite number > 0 .*got 0"),
     (dict(temperature=float("nan")), r"`temperature` must be a finite number > 0"),
-    (dict(eos_token_id=10**6), r"`eos_token_id` must be a token id .* in \[0, \d+\), the policy's vocabulary, got 1000000"),
+    (dict(eos_token_id=10**6), r"`eos_token_id` must be a token id .* in \[0, \d+\), the policy's vocabulary, got "
+     r"1000000"),
     (dict(eos_token_id=[1, -3]), r"`eos_token_id` must be a token id"),
     (dict(top_p=0.0), r"`top_p` must be a number in \(0, 1\], got 0\.0"),
     (dict(top_k=-2), r"`top_k` must be an integer >= 0, got -2"),
@@ -69,7 +70,7 @@ def test_legacy_step_refuses_boolean_responses_pad_queries_and_a_nan_kl_coeffici
     pads = [queries[0], torch.full((3,), tokenizer.pad_token_id)]
     with pytest.raises(ValueError, match=r"`queries\[1\]` is made only of pad ids"):
         trainer.step(pads, responses, scores_of(1.0, 0.0))
-    with pytest.raises(ValueError, match=r"`kl_ctl.value` \(the KL coefficient\) must be a finite number >= 0, got nan"):
+    with pytest.raises(ValueError, match=r"`kl_ctl.value` \(the KL coefficient\) must be a finite number >= 0, got na"):
         trainer.kl_ctl.value = float("nan")
     assert trainer.kl_ctl.value == trainer.config.init_kl_coef
     with pytest.raises(ValueError, match=r"^`log_stats\(\)`'s `rewards` got a non-finite score \(nan\)"):

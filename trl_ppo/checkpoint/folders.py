@@ -85,9 +85,9 @@ def written_before_manifests(path: str) -> bool:
 
 def verified_problem(path: str) -> str | None:
     """What makes checkpoint `path` unusable (`manifest.checkpoint_problem`), or None if it verifies. One
-    written before manifests cannot be verified: it is used, with a warning, if its weights files read whole. The verdict is kept for this process
-    while no file of the folder changes name, size or modification time: the CLI's early check and `train()`'s
-    then hash a large checkpoint once, not twice."""
+    written before manifests cannot be verified: it is used, with a warning, if its weights files read whole. The
+    verdict is kept for this process while no file of the folder changes name, size or modification time: the
+    CLI's early check and `train()`'s then hash a large checkpoint once, not twice."""
     if written_before_manifests(path):  # only its weights files' headers can be checked
         logger.warning(f"{path} was written by a trl_ppo without checkpoint manifests: its files are not verified.")
         return unreadable_weights(path)

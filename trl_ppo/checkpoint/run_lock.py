@@ -96,7 +96,8 @@ def in_use_error(output_dir: str, holder: dict) -> CheckpointOfAnotherRunError:
     """The refusal of a run whose `output_dir` another live process holds the run lock of."""
     since = holder.get("since")
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if isinstance(since, float) else "?"
-    who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')} (run {holder.get('run_id') or '?'}, since {started})"
+    run = holder.get("run_id") or "?"
+    who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')} (run {run}, since {started})"
     return CheckpointOfAnotherRunError(
         f"`output_dir` ({output_dir}) is in use by another run: {who} holds its run lock "
         f"{os.path.join(output_dir, LOCK_NAME)}. Nothing was written. Two runs in one folder would write over "
