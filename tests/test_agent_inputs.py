@@ -14,6 +14,8 @@ from trl_ppo.agents.tools import make_tool, toolbox
 def test_a_single_function_as_tools_says_to_pass_a_list():
     with pytest.raises(TypeError, match=r"^`tools` must be a list of functions, got 'multiply': pass `tools=\[multi"):
         toolbox(multiply)
+    with pytest.raises(TypeError, match=r"^`tools` must be a list of functions, got a dict: pass a list\."):
+        toolbox({"multiply": multiply})
     assert list(toolbox([multiply])) == ["multiply"]
 
 

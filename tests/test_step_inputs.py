@@ -53,6 +53,8 @@ def test_core_step_refuses_boolean_responses_and_scores_that_are_not_numbers(mak
         with pytest.raises(ValueError, match=rf"`step\(\)`: score 3 is {bad!r} \({type(bad).__name__}\): each score "
                                              r"must be a number"):
             trainer.step(queries, responses, [*scores[:3], bad, *scores[4:]])
+    with pytest.raises(ValueError, match=r"`queries\[0\]` must be a 1-D tensor of token ids, got list .*tokenize the"):
+        trainer.step([["the", "movie"]] * 8, responses, scores)
     no_values = [torch.empty(3, dtype=torch.long, device="meta") for _ in responses]
     with pytest.raises(ValueError, match=r"`responses\[0\]` is on the meta device"):
         trainer.step(queries, no_values, scores)

@@ -317,7 +317,13 @@ def check_token_lists(tensors: list, name: str) -> list[torch.Tensor]:
     """Each item as a 1-D long tensor; an empty one or another shape is an error naming its position."""
     checked = []
     for index, tensor in enumerate(tensors):
-        tensor = torch.as_tensor(tensor)
+        try:
+            tensor = torch.as_tensor(tensor)
+        except (TypeError, ValueError, RuntimeError) as error:  # text, ragged lists, objects
+            raise ValueError(
+                f"`{name}[{index}]` must be a 1-D tensor of token ids, got {type(tensor).__name__} ({error}): "
+                "tokenize the text first (e.g. `tokenizer(text, return_tensors='pt').input_ids[0]`)."
+            ) from None
         if tensor.dtype == torch.bool:  # a mask passed by mistake: it would train on token ids 0 and 1
             raise ValueError(
                 f"`{name}[{index}]` is a boolean tensor (a mask?); give the token ids (integers) instead."

@@ -53,8 +53,10 @@ def public_methods(instance) -> list[Callable]:
 def tool_list(functions, where: str = "`tools`") -> list[Callable]:
     """`tools` as a list; a single function (`tools=multiply`) or another non-list is an error saying the fix."""
     if callable(functions) or isinstance(functions, (str, bytes)) or not isinstance(functions, (Sequence, set)):
-        shown = getattr(functions, "__name__", None) or repr(functions)
-        raise TypeError(f"{where} must be a list of functions, got {shown!r}: pass `tools=[{shown}]`.")
+        if callable(functions):
+            shown = getattr(functions, "__name__", repr(functions))
+            raise TypeError(f"{where} must be a list of functions, got {shown!r}: pass `tools=[{shown}]`.")
+        raise TypeError(f"{where} must be a list of functions, got a {type(functions).__name__}: pass a list.")
     return list(functions)
 
 
