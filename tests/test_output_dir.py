@@ -70,7 +70,7 @@ def test_two_step_api_runs_with_different_seeds_keep_their_checkpoints_apart(mak
     with pytest.raises(CheckpointOfAnotherRunError, match=rf"checkpoint-1 \(run {ids['checkpoint-1']}\)"):
         second.save_checkpoint()
     assert snapshot(output_dir) == before
-    assert sorted(os.listdir(output_dir)) == ["checkpoint-1"]  # no partial folder left
+    assert sorted(os.listdir(output_dir)) == [".trl_ppo_run.lock", "checkpoint-1"]  # no partial folder left
 
     third = build_trainer(make_config(seed=3), tokenizer, load_models)  # begun after the save: refused at once
     with pytest.raises(ValueError, match="already holds checkpoints"):

@@ -315,14 +315,23 @@ def train_and_save(
 
 
 def run_default_job(argv: list[str], command: list[str] = ()) -> None:
-    """Train the tiny embedded policy with the sentiment reward (on the shipped prompts by default), into a new
-    folder under `trl_ppo_default_run/` unless `--output_dir` is given."""
+    """Train the tiny embedded policy with the sentiment reward, or `--reward_function` (on the shipped prompts by
+    default), into a new folder under `trl_ppo_default_run/` unless `--output_dir` is given."""
     from . import default_job
 
     if not flag_given(argv, "output_dir"):
         base = default_job.DEFAULT_JOB_SETTINGS["output_dir"]
         argv = [*argv, "--output_dir", default_run_folder(base, flag_given(argv, "resume_from_checkpoint"))]
     script_args, training_args, model_args = build_parser().parse_flags(default_job.DEFAULT_JOB_FLAGS + argv)
+    for flag in ("reward_model_path", "sft_model_path"):  # the embedded job has its own models: refuse, not ignore
+        if flag_given(argv, flag):
+            raise SystemExit(
+                f"trl-ppo: --{flag} needs --model_name_or_path (the policy and tokenizer to train); without it "
+                "`trl-ppo` trains its embedded tiny job, which would not use it."
+            )
+    reward = default_job.sentiment_reward  # or the user's own, scoring the embedded job's responses
+    if script_args.reward_function is not None:
+        reward = load_reward_function(script_args.reward_function)
     check_output_dir(training_args)
     check_resume_flag(training_args)
     tokenizer = default_job.build_word_tokenizer()
@@ -333,7 +342,7 @@ def run_default_job(argv: list[str], command: list[str] = ()) -> None:
         tokenizer,
         policy,
         None,
-        default_job.sentiment_reward,
+        reward,
         value_model,
         prompt_datasets(script_args),
         script_args.dataset_name,

@@ -15,11 +15,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from . import distributed as dist
 from .compat import enable_activation_checkpointing
 from .logprobs import ResponseOutput, position_ids_from_mask, response_logprobs
 from .value_head import AutoModelForCausalLMWithValueHead, causal_lm, is_value_head_model
+
+logger = logging.get_logger(__name__)
 
 try:  # peft is a dependency, but keep `import trl_ppo` working without it
     from peft import PeftModel, get_peft_model
@@ -185,6 +188,12 @@ def with_value_function(
     """The policy to train: `model` as given when a separate `value_model` is checked and used, else `model` with
     a new value head (`AutoModelForCausalLMWithValueHead`): zeros, or with `head_init="normal"` drawn from `seed`."""
     check_causal_lm(model)
+    if head_init != "zeros" and (value_model is not None or is_value_head_model(model)):
+        which = "a separate `value_model` is given" if value_model is not None else "`model` has its value head"
+        logger.warning(
+            f"`value_head_init={head_init!r}` has no effect: {which}, so no value head is added. Leave the option "
+            "out, or pass a plain causal LM and `value_model=None` for a new head."
+        )
     if value_model is not None:
         if is_value_head_model(model):
             raise ValueError(

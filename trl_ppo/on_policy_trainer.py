@@ -9,6 +9,7 @@ It reads only what it defines itself or what `transformers.Trainer` defines, and
 from __future__ import annotations
 
 import time
+import weakref
 
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import TrainOutput
@@ -118,11 +119,14 @@ class OnPolicyTrainer(Trainer):
 
     def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
         """Begin a run of `train()` or `step()`: fresh (None; `output_dir` must hold no checkpoint, unless
-        `overwrite_output_dir`) or resumed (a checkpoint, or True for the newest in `output_dir`)."""
+        `overwrite_output_dir`) or resumed (a checkpoint, or True for the newest in `output_dir`), holding the run
+        lock of `output_dir` (`checkpoint.run_lock`)."""
         args = self.args
         start = ckpt.start_checkpoint(
             args.output_dir, resume_from_checkpoint, self.accelerator, self._run_identity, args.overwrite_output_dir
         )
+        # `train()` releases the run lock at its end; a run driven by `step()` holds it while its trainer lives
+        weakref.finalize(self, ckpt.release_run_lock, args.output_dir)
         self._begin_training(start)
 
     def _begin_training(self, start: ckpt.RunStart) -> None:
@@ -243,17 +247,25 @@ class OnPolicyTrainer(Trainer):
 
     # ---------------------------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model`, after every process has checked the weights finite (`saving.check_finite_weights`;
-        a checkpoint, `_internal_call`, has checked them itself, with its own message)."""
-        if not _internal_call:
-            weights = named_weights(self.accelerator.unwrap_model(self.model))
-            saving.check_finite_weights(self.accelerator, weights, output_dir or self.args.output_dir)
-        if self._models().is_fsdp2:  # gathered whole (on the main process), whatever `fsdp_state_dict_type` says:
-            # `Trainer` writes nothing here for a sharded one (a checkpoint keeps the shards beside the optimizer)
-            state_dict = self.accelerator.get_state_dict(self.model)
-            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        """`Trainer.save_model`, after every process has checked the weights finite (`saving.check_finite_weights`),
+        written whole or not at all: staged in `output_dir`, verified, then moved into place (`_write_models`,
+        `saving.save_atomically`). A checkpoint (`_internal_call`) checks and stages its whole folder itself."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _internal_call:
+            return self._write_models(output_dir, _internal_call=True)
+        weights = named_weights(self.accelerator.unwrap_model(self.model))
+        saving.check_finite_weights(self.accelerator, weights, output_dir)
+        needed = saving.parameter_bytes(self.accelerator.unwrap_model(self.model))
+        saving.save_atomically(output_dir, self._write_models, self.args.should_save, needed)
+
+    def _write_models(self, folder: str, _internal_call: bool = False) -> None:
+        """What `save_model` writes into `folder`: the policy, through `Trainer.save_model` (-> `_save`); under FSDP2
+        gathered whole (on the main process; a collective), whatever `fsdp_state_dict_type` says: `Trainer` writes
+        nothing here for a sharded one (a checkpoint keeps the shards beside the optimizer)."""
+        if self._models().is_fsdp2:
+            self._save(folder, state_dict=self.accelerator.get_state_dict(self.model))
             return
-        super().save_model(output_dir, _internal_call=_internal_call)
+        super().save_model(folder, _internal_call=_internal_call)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Overrides `Trainer._save` (private: `Trainer.save_model` calls it, no public hook exists; checked

@@ -173,9 +173,26 @@ def check_rendered(messages, text: str, name: str, index: int) -> None:
     turns are not checked: templates may rewrite them (e.g. drop earlier reasoning)."""
     for position, message in enumerate(messages):
         content = message["content"]
+        if message["role"] != "assistant":
+            check_content_rendered(message, position, text, name, index)
         if message["role"] != "assistant" and isinstance(content, str) and content.strip() not in text:
             raise ValueError(
                 f"Row {index} of `{name}`: the chat template left out message {position} (role "
                 f"{message['role']!r}, content {_short(content, 40)}); rendered: {_short(text)}. Use a role the "
                 "template renders, or fix the template."
             )
+
+
+def check_content_rendered(message: dict, position: int, text: str, name: str, index: int) -> None:
+    """A message whose `content` is not text: None (nothing to say), or a list of parts that the template
+    rendered as Python text (a text-only template, e.g. "[{'type': 'text', ...}]") is refused."""
+    content, where = message["content"], f"Row {index} of `{name}`: message {position} (role {message['role']!r})"
+    if content is None:
+        raise ValueError(f"{where} has no content (None); give its text as a string, or leave the message out.")
+    if isinstance(content, list) and (not content or "{'type'" in text or '{"type"' in text):
+        raise ValueError(
+            f"{where} holds a list of parts ({_short(content, 60)}), which the tokenizer's chat template renders as "
+            f"Python text: {_short(text)}. This template takes text only: join the parts' text into one string."
+        )
+    if not isinstance(content, (str, list)):
+        raise ValueError(f"{where} has content {_short(content, 40)}; give its text as a string.")

@@ -5,6 +5,7 @@ the policy was trained. (`PPOTrainer.save_model` writes the policy and tokenizer
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 from transformers.utils import logging
@@ -124,3 +125,88 @@ def write_model_card(output_dir: str, args, log_history: list[dict], lm, rewards
     card = model_card(getattr(lm.config, "_name_or_path", ""), dataset, names, hyperparameters, final, plot)
     with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
         handle.write(card)
+
+
+class ModelSaveError(RuntimeError):
+    """A model could not be saved (e.g. the disk is full); nothing of the failed save is left in its folder."""
+
+
+STAGING_NAME = ".tmp-model-save"
+LAST_NAMES = ("config.json", "adapter_config.json")  # moved last: a folder with one of them has its weights
+
+
+def save_atomically(output_dir: str, write, is_writer: bool = True, needed_bytes: int = 0) -> None:
+    """Run `write(folder)` into a staging folder inside `output_dir` (on every process: it may hold collectives;
+    only the `is_writer` process's files count), verify every weights file written, then move each into
+    `output_dir`, the configs last. If writing or verifying fails, the staging folder is removed, `output_dir`
+    keeps what it held (an earlier model), and `ModelSaveError` names the folder, the free space there and
+    `needed_bytes`, the space the save needs (about)."""
+    if os.path.isfile(output_dir):
+        raise NotADirectoryError(
+            f"Cannot save the model into `output_dir` {output_dir!r}: it is an existing file, and a model is saved "
+            "as a folder. Pass the path of a folder (it is created if it does not exist), or move the file away."
+        )
+    staging = os.path.join(output_dir, STAGING_NAME)
+    created = not os.path.isdir(output_dir)
+    if is_writer:
+        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+        os.makedirs(staging)
+    try:
+        write(staging)
+        if is_writer:
+            verify_weights_files(staging)
+    except Exception as error:
+        if is_writer:
+            shutil.rmtree(staging, ignore_errors=True)
+            if created and not os.listdir(output_dir):
+                os.rmdir(output_dir)
+        raise ModelSaveError(save_failure(output_dir, error, needed_bytes)) from error
+    if is_writer:
+        move_into(staging, output_dir)
+
+
+def save_failure(output_dir: str, error: Exception, needed_bytes: int) -> str:
+    """The message of a save into `output_dir` that failed with `error`."""
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    return (
+        f"Saving the model to {output_dir} failed ({type(error).__name__}: {error}). Nothing of this save was left "
+        f"there (an earlier model in it is untouched). The save needs about {needed_bytes / 2**20:.1f} MiB; "
+        f"{free / 2**20:.1f} MiB are free there now. Free space (or pass another folder), then save again: the "
+        "trained model is still in memory."
+    )
+
+
+def verify_weights_files(folder: str) -> None:
+    """Every `*.safetensors` file under `folder` opens and holds the bytes its header declares."""
+    from safetensors import safe_open
+
+    for root, _, names in os.walk(folder):
+        for name in (n for n in names if n.endswith(".safetensors")):
+            path = os.path.join(root, name)
+            with safe_open(path, framework="pt") as handle:  # a truncated file fails its header check here
+                handle.keys()
+
+
+def move_into(staging: str, output_dir: str) -> None:
+    """Move each entry of `staging` into `output_dir`, replacing one of the same name, configs last."""
+    names = sorted(os.listdir(staging), key=lambda name: name in LAST_NAMES)
+    for name in names:
+        source, target = os.path.join(staging, name), os.path.join(output_dir, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            retired = target + ".replaced"
+            shutil.rmtree(retired, ignore_errors=True)
+            os.replace(target, retired)
+            os.replace(source, target)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(source, target)
+    os.rmdir(staging)
+
+
+def parameter_bytes(*modules) -> int:
+    """The bytes of the parameters and buffers of `modules` (None skipped): about what saving them writes."""
+    tensors = [t for m in modules if m is not None for t in (*m.parameters(), *m.buffers())]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())

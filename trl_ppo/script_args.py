@@ -112,6 +112,12 @@ def load_reward_function(spec: str, flag: str = "--reward_function"):
             module = importlib.import_module(source)
     except ImportError as error:
         raise SystemExit(f"trl-ppo: {flag} {spec}: cannot import {source}: {error}.") from None
+    except Exception as error:  # a syntax error in the file, or an error its code raised while it was imported
+        where = f" (line {error.lineno})" if isinstance(error, SyntaxError) and error.lineno else ""
+        raise SystemExit(
+            f"trl-ppo: {flag} {spec}: importing {source} failed{where}: {type(error).__name__}: {error}. Fix the "
+            "file, or name another function."
+        ) from None
     function = getattr(module, name, None)
     if not callable(function):
         raise SystemExit(f"trl-ppo: {flag} {spec}: {source} has no function {name!r}.")

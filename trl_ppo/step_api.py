@@ -14,11 +14,13 @@ episodes, per-token rewards, GAE, clipped multi-epoch minibatch updates, metrics
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -74,7 +76,7 @@ def generate_responses(
     context = context_length(models.wrapper.lm)
     max_new_tokens = None if length_sampler else generation_kwargs.get("max_new_tokens", sampling.response_length)
     device = models.accelerator.device
-    request = (queries, batch_size, max_new_tokens, vocab_size, context, sampling.pad_token_id)
+    request = (queries, batch_size, max_new_tokens, vocab_size, context, sampling.pad_token_id, generation_kwargs)
     dist.checked_on_every_process(lambda: check_generation_request(*request), device, "`generate()` queries")
     collate = LeftPaddingCollator(sampling.pad_token_id)
     if dist.weights_are_sharded(models.accelerator):  # each sampling call is a collective there
@@ -206,7 +208,7 @@ def episode_rows(batch: dict, rewards, columns_to_log, tokenizer) -> list[dict]:
             values = tokenizer.batch_decode(values, skip_special_tokens=True)
         columns[name] = list(values)
     rows = [dict(zip(columns, texts)) for texts in zip(*columns.values())]
-    for row, reward in zip(rows, scores_tensor(rewards).tolist()):
+    for row, reward in zip(rows, scores_tensor(rewards, "`log_stats()`'s `rewards`").tolist()):
         row["reward"] = reward
     return rows
 
@@ -214,7 +216,7 @@ def episode_rows(batch: dict, rewards, columns_to_log, tokenizer) -> list[dict]:
 def check_rewards_match_batch(rewards, batch: dict, columns_to_log, batch_size: int | None = None) -> None:
     """`log_stats`' `rewards`: one per episode, i.e. per row of each of the batch's logged columns (without any of
     them, `batch_size`), so that a table row never shows another episode's reward."""
-    count = scores_tensor(rewards).numel()
+    count = scores_tensor(rewards, "`log_stats()`'s `rewards`").numel()
     lengths = {f"`batch[{name!r}]`": len(batch[name]) for name in columns_to_log if name in batch}
     if not lengths and batch_size is not None:
         lengths = {"`batch_size`": batch_size}
@@ -244,11 +246,19 @@ def check_episode_lengths(queries: list[torch.Tensor], responses: list[torch.Ten
 
 
 def check_generation_request(
-    queries: list[torch.Tensor], batch_size, max_new_tokens, vocab_size: int, context: int | None, pad_token_id
+    queries: list[torch.Tensor],
+    batch_size,
+    max_new_tokens,
+    vocab_size: int,
+    context: int | None,
+    pad_token_id,
+    generation_kwargs: dict | None = None,
 ) -> None:
     """`generate()`'s request checked before any sampling: a positive `batch_size`, query ids the policy can read,
     a positive `max_new_tokens` that fits the model's context after the longest query (None: a `length_sampler`
-    draws it, and each draw is checked), and a pad token."""
+    draws it, and each draw is checked), a pad token, and the `generation_kwargs` overrides
+    (`check_generation_kwargs`)."""
+    check_generation_kwargs(generation_kwargs or {}, vocab_size)
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(
             f"`generate()`'s `batch_size` (queries sampled at a time) must be a positive integer, got {batch_size!r}."
@@ -257,6 +267,36 @@ def check_generation_request(
     if max_new_tokens is not None:
         check_max_new_tokens(max_new_tokens, max(query.numel() for query in queries), context, "`max_new_tokens`")
     require_pad_token(pad_token_id, "`generate()` (it pads queries and responses)")
+
+
+def check_generation_kwargs(kwargs: dict, vocab_size: int) -> None:
+    """`generate()`'s keyword overrides checked as the config's own fields are: `temperature` a finite number > 0
+    (0 is not greedy decoding here: it divides), `top_p` in (0, 1], `top_k` and `min_new_tokens` integers >= 0,
+    `eos_token_id` / `pad_token_id` token ids (or lists of them) the policy has."""
+
+    def fail(name: str, needed: str) -> None:
+        raise ValueError(f"`generate()`'s `{name}` must be {needed}, got {kwargs[name]!r}.")
+
+    def number(name: str) -> float | None:
+        value = kwargs[name]
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if ok else None
+
+    if "temperature" in kwargs and not (number("temperature") or 0) > 0:
+        fail("temperature", "a finite number > 0 (sampling divides the logits by it; for near-greedy use 1e-3)")
+    if "top_p" in kwargs and not 0 < (number("top_p") or 0) <= 1:
+        fail("top_p", "a number in (0, 1]")
+    for name in ("top_k", "min_new_tokens"):
+        value = kwargs.get(name)
+        if name in kwargs and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+            fail(name, "an integer >= 0")
+    for name in ("eos_token_id", "pad_token_id"):
+        if kwargs.get(name) is None:
+            continue
+        ids = kwargs[name] if isinstance(kwargs[name], (list, tuple)) else [kwargs[name]]
+        if not ids or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < vocab_size
+                          for i in ids):
+            fail(name, f"a token id (or a list of them) in [0, {vocab_size}), the policy's vocabulary")
 
 
 def check_max_new_tokens(max_new_tokens, longest_query: int, context: int | None, name: str) -> None:
@@ -277,35 +317,54 @@ def check_token_lists(tensors: list, name: str) -> list[torch.Tensor]:
     """Each item as a 1-D long tensor; an empty one or another shape is an error naming its position."""
     checked = []
     for index, tensor in enumerate(tensors):
-        tensor = torch.as_tensor(tensor)
+        try:
+            tensor = torch.as_tensor(tensor)
+        except (TypeError, ValueError, RuntimeError) as error:  # text, ragged lists, objects
+            raise ValueError(
+                f"`{name}[{index}]` must be a 1-D tensor of token ids, got {type(tensor).__name__} ({error}): "
+                "tokenize the text first (e.g. `tokenizer(text, return_tensors='pt').input_ids[0]`)."
+            ) from None
+        if tensor.dtype == torch.bool:  # a mask passed by mistake: it would train on token ids 0 and 1
+            raise ValueError(
+                f"`{name}[{index}]` is a boolean tensor (a mask?); give the token ids (integers) instead."
+            )
+        if tensor.device.type == "meta":
+            raise ValueError(f"`{name}[{index}]` is on the meta device, without values: give real token ids.")
         if tensor.dim() != 1 or tensor.numel() == 0 or tensor.is_floating_point():
             raise ValueError(
                 f"`{name}[{index}]` must be a non-empty 1-D tensor of token ids, got shape {tuple(tensor.shape)} "
                 f"and dtype {tensor.dtype}."
             )
-        checked.append(tensor.long())
+        checked.append(tensor.long().cpu())  # one device for all (ids are moved to the model's by the caller)
     if not checked:
         raise ValueError(f"`{name}` is empty.")
     return checked
 
 
-def scores_tensor(scores) -> torch.Tensor:
-    """Scores as a float32 `[B]` tensor; a score that is not one finite number within `MAX_ABS_SCORE` is an error."""
+def scores_tensor(scores, caller: str = "`step()`") -> torch.Tensor:
+    """Scores as a float32 `[B]` tensor; a score that is not one finite number within `MAX_ABS_SCORE` is an error
+    naming `caller` (`step()`, or `log_stats()`'s rewards)."""
     if isinstance(scores, torch.Tensor):
         values = scores.detach().float().reshape(-1)
     else:
+        for index, score in enumerate(scores):
+            if not isinstance(score, (numbers.Real, torch.Tensor, np.generic, np.ndarray)):
+                raise ValueError(
+                    f"{caller}: score {index} is {score!r} ({type(score).__name__}): each score must be a number "
+                    "(a float, or a one-element tensor)."
+                )
         # Detached: a score computed by a trainable head must not carry the PPO loss's gradient back into it.
         scores = [torch.as_tensor(score).detach() for score in scores]
         if any(score.numel() != 1 for score in scores):
-            raise ValueError("Each score given to `step()` must be a single number.")
+            raise ValueError(f"Each score given to {caller} must be a single number.")
         values = torch.stack([score.reshape(()).float() for score in scores]) if scores else torch.zeros(0)
     if not bool(torch.isfinite(values).all()):
         bad = values[~torch.isfinite(values)][0].item()
-        raise ValueError(f"`step()` got a non-finite score ({bad}): scores must be finite numbers.")
+        raise ValueError(f"{caller} got a non-finite score ({bad}): scores must be finite numbers.")
     if bool((values.abs() > MAX_ABS_SCORE).any()):
         bad = values[values.abs() > MAX_ABS_SCORE][0].item()
         raise ValueError(
-            f"`step()` got a score of {bad:g}, beyond ±{MAX_ABS_SCORE:g}: PPO squares scores (value loss, "
+            f"{caller} got a score of {bad:g}, beyond ±{MAX_ABS_SCORE:g}: PPO squares scores (value loss, "
             "whitening), which overflows. Rescale the scores."
         )
     return values.cpu()

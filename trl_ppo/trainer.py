@@ -173,6 +173,14 @@ class PPOTrainer(OnPolicyTrainer):
             raise ValueError("`train()` samples from `train_dataset`, and none was given (use `step()` without one).")
         self._scoring()  # without a reward, fail before any compute
         self._start_run(resume_from_checkpoint)
+        try:  # the run lock of `output_dir` (taken by `_start_run`) is released however the run ends
+            return self._run_updates()
+        finally:
+            ckpt.release_run_lock(args.output_dir)
+
+    def _run_updates(self) -> TrainOutput:
+        """`train()`'s updates, from the one after `state.global_step` to the last, then the run's end."""
+        args = self.args
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
         batches = data.batches_forever(self.train_dataloader, self._sampler, self.run)
@@ -471,9 +479,9 @@ class PPOTrainer(OnPolicyTrainer):
         with status 0."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if _internal_call:  # a checkpoint's part: the checkpoint guards the whole write
-            return self._save_models(output_dir, _internal_call)
+            return super().save_model(output_dir, _internal_call)
         with ckpt.PreemptionHandler() as preemption:
-            self._save_models(output_dir, _internal_call)
+            super().save_model(output_dir)  # staged, verified, moved into place: whole or not at all
             if self.args.should_save:
                 reporting.warn_on_failure("the model card", self._write_model_card, output_dir)
         if preemption.requested:
@@ -485,12 +493,12 @@ class PPOTrainer(OnPolicyTrainer):
         lm, history = self._models().wrapper.lm, self.state.log_history
         saving.write_model_card(output_dir, self.args, history, lm, self.rewards, dataset)
 
-    def _save_models(self, output_dir: str, _internal_call: bool) -> None:
+    def _write_models(self, folder: str, _internal_call: bool = False) -> None:
         """The policy (`Trainer.save_model` -> `_save`) and, in checkpoints or with `save_value_model`, the value
-        model."""
-        super().save_model(output_dir, _internal_call=_internal_call)
+        model, into `folder`."""
+        super()._write_models(folder, _internal_call)
         if _internal_call or self.args.save_value_model:
-            saving.save_value_model(self._models(), os.path.join(output_dir, "value_model"), self.args.should_save)
+            saving.save_value_model(self._models(), os.path.join(folder, "value_model"), self.args.should_save)
 
 
 __all__ = ["PPOTrainer"]

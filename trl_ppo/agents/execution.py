@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from transformers.utils import logging
 
 from .. import async_loop
+from ..rewards import MAX_ABS_SCORE
 from .tools import Tool
 
 logger = logging.get_logger(__name__)
@@ -146,6 +147,11 @@ def _as_result(name: str, returned, timeout: float | None = None) -> ToolResult:
         returned, reward = returned
         if not math.isfinite(reward):
             raise ValueError(f"Tool {name!r} returned the turn reward {reward}: a turn reward must be finite.")
+        if abs(reward) > MAX_ABS_SCORE:  # as scores are refused: PPO squares rewards, which overflows
+            raise ValueError(
+                f"Tool {name!r} returned the turn reward {reward:g}, beyond ±{MAX_ABS_SCORE:g}: rescale the rewards "
+                "that tool returns."
+            )
     if not isinstance(returned, str):
         try:
             returned = json.dumps(returned)

@@ -20,7 +20,7 @@ from ..rewards import Reward
 from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
 from .chat import ToolChat
 from .environments import Environments, close_environment, environment_reward, make_environment
-from .tools import schemas, toolbox
+from .tools import schemas, tool_list, toolbox
 from .turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
 
 logger = logging.get_logger(__name__)
@@ -61,7 +61,7 @@ class AgentRunner:
     """Multi-turn episodes with `tools` (plain functions) and/or an `environment_factory`; see the module."""
 
     def __init__(self, args, tokenizer, tools, environment_factory, stop_token_id: int | None, columns) -> None:
-        self.tokenizer, self.tools = tokenizer, list(tools or [])
+        self.tokenizer, self.tools = tokenizer, tool_list(tools or [])
         self.environments = None if environment_factory is None else Environments(environment_factory, columns)
         makers = dict(environment_factory) if isinstance(environment_factory, Mapping) else {}
         makers = makers or ({None: environment_factory} if environment_factory is not None else {})

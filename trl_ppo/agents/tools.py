@@ -60,12 +60,28 @@ def public_methods(instance) -> list[Callable]:
     return methods
 
 
+def tool_list(functions, where: str = "`tools`") -> list[Callable]:
+    """`tools` as a list; a single function (`tools=multiply`) or another non-list is an error saying the fix."""
+    if callable(functions) or isinstance(functions, (str, bytes)) or not isinstance(functions, (Sequence, set)):
+        if callable(functions):
+            shown = getattr(functions, "__name__", repr(functions))
+            raise TypeError(f"{where} must be a list of functions, got {shown!r}: pass `tools=[{shown}]`.")
+        raise TypeError(f"{where} must be a list of functions, got a {type(functions).__name__}: pass a list.")
+    return list(functions)
+
+
 def toolbox(functions: Sequence[Callable], environment=None, where: str = "`tools`") -> dict[str, Tool]:
     """{name: Tool} of the plain `functions` and the `environment`'s public methods; two tools with one name are
     an error (the model could not tell them apart)."""
     tools: dict[str, Tool] = {}
-    named = [(function, where) for function in functions]
+    named = [(function, where) for function in tool_list(functions, where)]
     if environment is not None:
+        get_reward = getattr(environment, "get_reward", None)
+        if get_reward is not None and not callable(get_reward):
+            raise TypeError(
+                f"`environment_factory` ({type(environment).__name__}): its `get_reward` is {get_reward!r}, not a "
+                "method; define `def get_reward(self) -> float` returning the episode's reward, or leave it out."
+            )
         source = f"`environment_factory` ({type(environment).__name__})"
         named += [(method, source) for method in public_methods(environment)]
     for function, source in named:

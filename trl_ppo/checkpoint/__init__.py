@@ -9,7 +9,7 @@ A checkpoint folder `checkpoint-<update>` holds:
 * `trl_ppo_state.json`: the `RunState` (with the run id, `ownership.py`) and the run's identity (`identity.py`);
 * `manifest.json`, written last: every other file's size and SHA-256 (`manifest.py`), verified before a resume
   loads anything.
-It is written under `tmp-checkpoint-<update>` and renamed into place once complete (`folders.py`), unless
+It is written under `tmp-checkpoint-<update>-<run id>` and renamed into place once complete (`folders.py`), unless
 `output_dir` holds a checkpoint of another run (`ownership.py`). A save that fails removes its partial folder and
 raises `CheckpointSaveError`; the earlier checkpoints are untouched. Weights holding NaN or infinity are never
 written: the save raises `FloatingPointError` naming the tensor first. A run starting in `output_dir`
@@ -46,6 +46,7 @@ from .identity import check_resumable, model_fingerprint, prompts_fingerprint, r
 from .manifest import MANIFEST_NAME, manifest_of
 from .ownership import CheckpointOfAnotherRunError, refuse_checkpoints_of_other_runs, run_to_continue
 from .preemption import PreemptionHandler, stop_requested
+from .run_lock import describe_holder, release_run_lock, take_run_lock
 from .rng import capture_rng_state, load_rng_state, rng_file
 from .weights import checkpoint_layout, load_trained_weights, named_weights, nonfinite_tensor
 
@@ -87,9 +88,7 @@ def save_checkpoint(
     folder is removed and no older checkpoint is rotated away. Before anything is written, every process checks
     its named `weights`: one holding NaN or infinity raises `FloatingPointError` naming it, on every process."""
     check_finite_weights(accelerator, weights, output_dir, step)
-    staging = os.path.join(output_dir, f"{STAGING_PREFIX}{step}")
-    if accelerator.is_main_process:
-        staging_folder(output_dir, step)  # clears what an interrupted save left behind
+    staging = staging_folder(output_dir, step, resume_point.run_state.get("run_id"), clear=accelerator.is_main_process)
     accelerator.wait_for_everyone()
 
     def write_process_part() -> None:
@@ -203,13 +202,21 @@ def start_checkpoint(
 def claim_output_dir(
     output_dir: str, resume_from_checkpoint: str | bool | None, identity: dict, overwrite: bool = False
 ) -> tuple[str | None, str]:
-    """(the checkpoint to resume from, or None: `checkpoint_to_resume`, where `overwrite` deletes an earlier run's
+    """Take the run lock of `output_dir` (`run_lock.py`; released again if the run is refused), then -> (the
+    checkpoint to resume from, or None: `checkpoint_to_resume`, where `overwrite` deletes an earlier run's
     checkpoints for a fresh run; the run id: `ownership.run_to_continue`, which refuses another run's folder).
     Only once the run may use `output_dir` is anything there changed: what interrupted saves left is removed (a
     refused run must not delete the save another run has in progress), and a resume from an older checkpoint sets
     the newer ones aside (`folders.set_aside_newer_checkpoints`)."""
-    checkpoint = checkpoint_to_resume(output_dir, resume_from_checkpoint, overwrite)
-    run_id = run_to_continue(output_dir, checkpoint, identity)
+    took_lock = take_run_lock(output_dir)  # first: a run started beside this one now waits or is refused
+    try:
+        checkpoint = checkpoint_to_resume(output_dir, resume_from_checkpoint, overwrite)
+        run_id = run_to_continue(output_dir, checkpoint, identity)
+    except BaseException:
+        if took_lock:
+            release_run_lock(output_dir)
+        raise
+    describe_holder(output_dir, run_id)
     remove_unfinished_saves(output_dir)
     if checkpoint is not None:
         set_aside_newer_checkpoints(output_dir, checkpoint)
@@ -274,6 +281,7 @@ __all__ = [
     "nonfinite_weight_of_any_process",
     "prompts_fingerprint",
     "read_run_state",
+    "release_run_lock",
     "remove_unfinished_saves",
     "run_identity",
     "save_checkpoint",

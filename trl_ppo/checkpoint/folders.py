@@ -1,4 +1,4 @@
-"""Checkpoint folders on disk: their names, atomic publication (written under `tmp-checkpoint-<update>`, renamed
+"""Checkpoint folders on disk: their names, atomic publication (written under `tmp-checkpoint-<update>-<run>`, renamed
 to `checkpoint-<update>` only when complete), rotation, the removal of what an interrupted save left behind, which
 checkpoint a run resumes from (the newest one whose files match its manifest, `manifest.py`), and the newer
 checkpoints a resume from an older one sets aside (`checkpoint-<update>.abandoned-<time>`)."""
@@ -13,7 +13,7 @@ import time
 
 from transformers.utils import logging
 
-from .manifest import MANIFEST_NAME, checkpoint_problem
+from .manifest import MANIFEST_NAME, checkpoint_problem, unreadable_weights
 
 logger = logging.get_logger(__name__)
 
@@ -85,12 +85,12 @@ def written_before_manifests(path: str) -> bool:
 
 def verified_problem(path: str) -> str | None:
     """What makes checkpoint `path` unusable (`manifest.checkpoint_problem`), or None if it verifies. One
-    written before manifests cannot be verified: it is used, with a warning. The verdict is kept for this process
-    while no file of the folder changes name, size or modification time: the CLI's early check and `train()`'s
-    then hash a large checkpoint once, not twice."""
-    if written_before_manifests(path):
+    written before manifests cannot be verified: it is used, with a warning, if its weights files read whole. The
+    verdict is kept for this process while no file of the folder changes name, size or modification time: the
+    CLI's early check and `train()`'s then hash a large checkpoint once, not twice."""
+    if written_before_manifests(path):  # only its weights files' headers can be checked
         logger.warning(f"{path} was written by a trl_ppo without checkpoint manifests: its files are not verified.")
-        return None
+        return unreadable_weights(path)
     key, fingerprint = os.path.realpath(path), folder_fingerprint(path)
     if _VERDICTS.get(key, (None,))[0] != fingerprint:
         _VERDICTS[key] = (fingerprint, checkpoint_problem(path))
@@ -124,10 +124,13 @@ def remove_unfinished_saves(output_dir: str) -> list[str]:
     return removed
 
 
-def staging_folder(output_dir: str, step: int) -> str:
-    """A fresh, empty folder to write checkpoint `step` into (left-overs of an interrupted save removed)."""
-    path = os.path.join(output_dir, f"{STAGING_PREFIX}{step}")
-    shutil.rmtree(path, ignore_errors=True)
+def staging_folder(output_dir: str, step: int, run_id: str | None = None, clear: bool = True) -> str:
+    """The folder to write checkpoint `step` of run `run_id` into: `tmp-checkpoint-<step>-<run id>`, each run's
+    own, so that no run writes into another's save; with `clear` (the main process), emptied of what an
+    interrupted save of this run left behind."""
+    path = os.path.join(output_dir, f"{STAGING_PREFIX}{step}" + (f"-{run_id}" if run_id else ""))
+    if clear:
+        shutil.rmtree(path, ignore_errors=True)
     return path
 
 

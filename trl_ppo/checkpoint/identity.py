@@ -30,6 +30,8 @@ CHECKPOINT_WINS = {"learning_rate": "the optimizer and scheduler states", "kl_co
 # Settings whose change would splice two learning-rate schedules (the restored step count and base rates, this
 # run's shape and length): refused.
 SCHEDULE = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "total_episodes")
+# Settings whose change would put the saved position into another data order: prompts seen would be drawn again.
+DATA_ORDER = ("data_seed",)
 # `TrainingArguments` fields worth comparing on resume (the others are paths, hub and hardware settings).
 TRAINING_FIELDS = (
     "learning_rate",
@@ -53,6 +55,7 @@ TRAINING_FIELDS = (
     "save_strategy",
     "eval_strategy",
     "report_to",
+    "data_seed",
 )
 
 
@@ -80,6 +83,8 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
         line = f"`{name}`: {old!r} in the checkpoint, {new!r} now"
         if name in SCHEDULE:
             refused.append(f"{line} (the restored schedule would be spliced with another)")
+        elif name in DATA_ORDER:
+            refused.append(f"{line} (the saved position would point into another shuffled order of the prompts)")
         elif name in CHECKPOINT_WINS:
             allowed.append(f"{line} -> uses {old!r}, restored with {CHECKPOINT_WINS[name]}")
         else:
@@ -177,6 +182,6 @@ def check_resumable(saved: dict, current: dict, checkpoint: str) -> None:
         raise ValueError(
             f"Cannot resume from {checkpoint}: it was written by a different run.\n  "
             + "\n  ".join(differences)
-            + "\nResume with the same batch layout, seed, models, prompts and learning-rate schedule, or start a new "
+            + "\nResume with the same batch layout, seeds, models, prompts and learning-rate schedule, or start a new "
             "run in another `output_dir`."
         )

@@ -67,6 +67,8 @@ def read_manifest(folder: str) -> dict[str, dict]:
             raise ValueError("not a trl_ppo manifest")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is damaged ({error})") from None
+    if not files:  # every checkpoint has files: an empty list would verify anything
+        raise ValueError(f"{path} is damaged: it lists no files")
     for name, entry in files.items():  # a hand-edited manifest: name the entry rather than fail on it later
         if not (isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("sha256"), str)):
             raise ValueError(
@@ -94,4 +96,20 @@ def checkpoint_problem(folder: str) -> str | None:
     for name, digest in zip(names, _digests(folder, names)):
         if digest != expected[name]["sha256"]:
             return f"{os.path.join(folder, name)} does not match its SHA-256 in the manifest (changed after the save)"
+    return None
+
+
+def unreadable_weights(folder: str) -> str | None:
+    """The first `*.safetensors` file under `folder` whose header does not match its size (truncated, or not
+    safetensors), as a problem line; or None. What can be checked of a checkpoint without a manifest."""
+    from safetensors import safe_open
+
+    for name in checkpoint_files(folder):
+        if name.endswith(".safetensors"):
+            path = os.path.join(folder, name)
+            try:
+                with safe_open(path, framework="pt") as handle:
+                    handle.keys()
+            except Exception as error:  # SafetensorError, and an OSError of an unreadable file
+                return f"{path} cannot be read ({type(error).__name__}: {error}): it is truncated or damaged"
     return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import time
 import warnings
@@ -23,7 +24,7 @@ from .. import step_api as episodes
 from ..checkpoint.weights import named_weights
 from ..completions import log_table_to_wandb
 from ..models import context_length
-from ..saving import check_finite_weights
+from ..saving import check_finite_weights, parameter_bytes, save_atomically
 from ..trainer import PPOTrainer as CorePPOTrainer
 from ..value_head import check_save_directory, is_value_head_model
 from .config import PPOConfig, core_config
@@ -44,7 +45,10 @@ class KLController:
 
     @value.setter
     def value(self, coef: float) -> None:
-        self._trainer.run.kl_coef = float(coef)
+        value = float(coef) if isinstance(coef, (int, float, torch.Tensor)) and not isinstance(coef, bool) else None
+        if value is None or not math.isfinite(value) or value < 0:
+            raise ValueError(f"`kl_ctl.value` (the KL coefficient) must be a finite number >= 0, got {coef!r}.")
+        self._trainer.run.kl_coef = value
 
 
 class PPOTrainer:
@@ -158,7 +162,7 @@ class PPOTrainer:
         generation_kwargs.setdefault("max_new_tokens", self.trainer.args.response_length)
         limits = (self.trainer.vocabulary_size, context_length(self.model), self.tokenizer.pad_token_id)
         max_new_tokens = None if length_sampler else generation_kwargs["max_new_tokens"]  # else checked per draw
-        request = (queries, batch_size, max_new_tokens, *limits)
+        request = (queries, batch_size, max_new_tokens, *limits, generation_kwargs)
         dist.checked_on_every_process(lambda: episodes.check_generation_request(*request), self.accelerator.device,
                                       "`generate()` queries")
         options = (length_sampler, batch_size, return_prompt, remove_padding, generation_kwargs)
@@ -192,6 +196,13 @@ class PPOTrainer:
         responses = episodes.check_token_lists(responses, "responses")
         episodes.check_episode_token_ids(queries, responses, self.trainer.vocabulary_size)
         episodes.check_episode_lengths(queries, responses, context_length(self.model))
+        pad = self.tokenizer.pad_token_id
+        for index, query in enumerate(queries):  # as core `step()` refuses it: nothing to condition on
+            if bool((query == pad).all()):
+                raise ValueError(
+                    f"`queries[{index}]` is made only of pad ids ({pad}): give each query's own tokens (e.g. "
+                    "`tokenizer(text, return_tensors='pt').input_ids[0]`)."
+                )
         return queries, responses, scores, episodes.check_response_masks(response_masks, responses)
 
     def step(self, queries: list, responses: list, scores: list, response_masks: list | None = None) -> dict:
@@ -212,7 +223,8 @@ class PPOTrainer:
         with wandb a `game_log` table of the batch's `columns_to_log` and each reward."""
         columns_to_log = list(columns_to_log)
         episodes.check_rewards_match_batch(rewards, batch, columns_to_log, self.config.batch_size)
-        rewards = self.accelerator.gather(episodes.scores_tensor(rewards).to(self.current_device)).cpu()
+        rewards = episodes.scores_tensor(rewards, "`log_stats()`'s `rewards`")
+        rewards = self.accelerator.gather(rewards.to(self.current_device)).cpu()
         if self.config.log_with == "wandb" and any(column not in batch for column in columns_to_log):
             raise ValueError(f"Columns to log {columns_to_log} are not present in the batch {list(batch)}.")
         if "query" not in batch and "response" not in batch:
@@ -237,10 +249,14 @@ class PPOTrainer:
         if dist.deepspeed_zero_stage(self.accelerator) is not None:
             state_dict = self.accelerator.get_state_dict(self.trainer.model)
             state_dict = {k[len("policy.") :]: v for k, v in (state_dict or {}).items() if k.startswith("policy.")}
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process:  # staged, verified, moved into place: whole or not at all
             model = self.accelerator.unwrap_model(self.model)
-            model.save_pretrained(save_directory, state_dict=state_dict)
-            self.tokenizer.save_pretrained(save_directory)
+
+            def write(folder: str) -> None:
+                model.save_pretrained(folder, state_dict=state_dict)
+                self.tokenizer.save_pretrained(folder)
+
+            save_atomically(save_directory, write, needed_bytes=parameter_bytes(model))
 
     def save_checkpoint(self) -> str:
         """Write `<config.output_dir>/checkpoint-<steps>`: the model and value head, optimizer, scheduler, KL
