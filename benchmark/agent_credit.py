@@ -118,10 +118,9 @@ def evaluate(policy, tokenizer, rl: dict) -> dict:
 
 
 def run_one(spec: dict) -> dict:
+    import agent_task
     import torch
     from transformers import AutoModelForCausalLM
-
-    import agent_task
 
     torch.set_num_threads(spec["threads"])
     name, rl = spec["config"], spec["rl"]

@@ -18,9 +18,8 @@ import os
 import random
 from dataclasses import asdict, dataclass
 
-import torch
-
 import agent_task
+import torch
 
 LOW, HIGH = 1, 8
 GUESSES = 3  # answered guesses per game: `max_turns` = GUESSES + 1

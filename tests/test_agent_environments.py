@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
-from datasets import Dataset
-
 from conftest import needs_tool_parsing
+from datasets import Dataset
 from test_agent_training import agent_trainer, shop_dataset, tool_policy
+
 from trl_ppo import PPOTrainer
 from trl_ppo.agents import runner as agent_runner_module
 from trl_ppo.agents.tiny_chat import build_tool_tokenizer

@@ -217,10 +217,10 @@ def test_a_trainer_with_stock_qwen3_and_no_parser_set_plays_and_learns_from_tool
     """`PPOTrainer(tools=...)` with stock Qwen3's template and no `response_template`: the parser and the
     training-safe template come from the registry, the calls are parsed, run and answered, and the run updates."""
     import torch
+    from conftest import tiny_config
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from conftest import tiny_config
     from trl_ppo import PPOTrainer
     from trl_ppo.agents import runner as runner_module
 

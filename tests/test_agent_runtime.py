@@ -12,8 +12,8 @@ import torch
 from conftest import needs_tool_parsing
 
 from trl_ppo import ppo
-from trl_ppo.agents.chat import ToolChat
 from trl_ppo.agents import environments as agent_environments
+from trl_ppo.agents.chat import ToolChat
 from trl_ppo.agents.environments import Environments, environment_reward
 from trl_ppo.agents.execution import ToolCall, execute_calls
 from trl_ppo.agents.runner import AgentRunner

@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
+from conftest import build_trainer, needs_tool_parsing, tiny_config
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from conftest import build_trainer, needs_tool_parsing, tiny_config
 from trl_ppo import PPOTrainer
 from trl_ppo.agents import runner as agent_runner_module
-from trl_ppo.agents.runner import AgentRunner
 from trl_ppo.agents.chat import has_parsing_api
+from trl_ppo.agents.runner import AgentRunner
 from trl_ppo.agents.tiny_chat import build_tool_tokenizer
 
 

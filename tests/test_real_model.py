@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, load_example_script
 
 get_smollm2 = load_example_script("get_smollm2")

@@ -11,7 +11,6 @@ import sys
 import zipfile
 
 import pytest
-
 from conftest import REPO_ROOT, load_example_script
 
 get_qwen_coder = load_example_script("get_qwen_coder")

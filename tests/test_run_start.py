@@ -15,7 +15,7 @@ from conftest import build_trainer
 from test_output_dir import episodes, run_ids, snapshot
 
 import trl_ppo.checkpoint as ckpt
-from trl_ppo.checkpoint import CheckpointOfAnotherRunError, CheckpointSaveError, STAGING_PREFIX
+from trl_ppo.checkpoint import STAGING_PREFIX, CheckpointOfAnotherRunError, CheckpointSaveError
 from trl_ppo.checkpoint.folders import PPO_STATE_NAME, checkpoint_folders, read_json, write_json
 from trl_ppo.checkpoint.manifest import MANIFEST_NAME, manifest_of
 

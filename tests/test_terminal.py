@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_tool_parsing, tiny_config
 from datasets import Dataset
+from test_agent_training import agent_trainer, scripted_sampler
 from transformers import AutoModelForCausalLM
 
-from conftest import needs_tool_parsing, tiny_config
-from test_agent_training import agent_trainer, scripted_sampler
 from trl_ppo import PPOTrainer
 from trl_ppo.agents import runner as agent_runner_module
 from trl_ppo.agents.tiny_chat import build_tool_tokenizer

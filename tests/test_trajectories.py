@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import needs_tool_parsing
 from test_agent_training import agent_trainer, scripted_sampler
 
-from conftest import needs_tool_parsing
 from trl_ppo import ppo, trajectories
 from trl_ppo.agents import runner as agent_runner_module
 from trl_ppo.agents.tiny_chat import build_tool_tokenizer

@@ -3,7 +3,6 @@ episodes unchanged, the `gae_level` option checked and used by the trainer."""
 
 import pytest
 import torch
-
 from conftest import build_trainer
 
 from trl_ppo import losses, ppo

@@ -11,9 +11,7 @@ outside the trainer.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +22,6 @@ from transformers.utils import logging
 from . import checkpoint as ckpt
 from . import data, fsdp, ppo, reporting, saving, trajectories
 from . import distributed as dist
-from . import step_api as episodes
 from . import update as ppo_epochs
 from .agents.runner import agent_runner
 from .completions import sample_completions, show_table
@@ -47,11 +44,12 @@ from .on_policy_trainer import OnPolicyTrainer
 from .preparation import initial_fingerprints, prepare_all_models, prepare_data, refuse_old_names, validate_inputs
 from .rewards import Scoring
 from .rollout import Rollout, Sampling, add_logprobs_and_values, collect_rollout
+from .step_methods import StepMethods
 
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(OnPolicyTrainer):
+class PPOTrainer(StepMethods, OnPolicyTrainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -295,87 +293,6 @@ class PPOTrainer(OnPolicyTrainer):
                 f"({self.run.skipped_updates} skipped so far)."
             )
         return result
-
-    # ----------------------------------------------------------------------------------- the step API
-    @torch.no_grad()
-    def generate(
-        self,
-        query_tensor: torch.Tensor | Sequence[torch.Tensor],
-        return_prompt: bool = True,
-        batch_size: int | None = None,
-        length_sampler: Callable[[], int] | None = None,
-        reference: bool = False,
-        **generation_kwargs,
-    ) -> torch.Tensor | list[torch.Tensor]:
-        """The response (ids after the query when `return_prompt`; cut at the stop token, no padding) to one query
-        (1-D token ids) or to each of a list, sampled `batch_size` queries at a time (default
-        `local_rollout_forward_batch_size`). `generation_kwargs` may set `max_new_tokens`, `temperature` and
-        `eos_token_id`; other options (top_k > 0, ...) sample with `transformers`' `generate`; `length_sampler()`
-        draws `max_new_tokens` for each batch. `reference=True` samples from the reference policy instead."""
-        single = isinstance(query_tensor, torch.Tensor) and query_tensor.dim() == 1
-        queries = episodes.check_token_lists([query_tensor] if single else list(query_tensor), "query_tensor")
-        batch_size = self.args.local_rollout_forward_batch_size if batch_size is None else batch_size
-        options = (batch_size, return_prompt, length_sampler, generation_kwargs, self.vocabulary_size)
-        with episodes.sampling_models(self._models(), reference, self.args) as models:
-            results = episodes.generate_responses(queries, models, self._sampling(), *options)
-        return results[0] if single else results
-
-    def step(
-        self,
-        queries: Sequence[torch.Tensor],
-        responses: Sequence[torch.Tensor],
-        scores: Sequence[float] | torch.Tensor,
-        response_masks: Sequence[torch.Tensor] | None = None,
-    ) -> dict[str, float]:
-        """One PPO update, as one of `train()` after its scoring, on this process's `local_batch_size` episodes:
-        `queries`, `responses` 1-D token ids (responses as produced: stop token included, no padding), one score each
-        (floats, 0-d tensors or `[B]`), `response_masks` 1-D 0/1 leaving tokens out of training. -> the metrics."""
-        limits = (self.args.local_batch_size, self.vocabulary_size, context_length(self._models().wrapper.lm))
-        check = functools.partial(episodes.check_episodes, queries, responses, scores, response_masks, *limits,
-                                  self.processing_class)
-        checked = dist.checked_on_every_process(check, self.accelerator.device, "`step()` episodes")  # no hang
-        return self.update_on_episodes(*checked).metrics
-
-    def update_on_episodes(
-        self,
-        queries: list[torch.Tensor],
-        responses: list[torch.Tensor],
-        scores: torch.Tensor,
-        response_masks: list[torch.Tensor] | None = None,
-        detailed: bool = False,
-    ) -> episodes.EpisodeUpdate:
-        """`step()` on checked episodes: logprobs, ref_logprobs, values → KL-shaped rewards → advantages → PPO
-        epochs → adapt the KL coefficient → step the schedule → count / log / save. -> everything it made, and
-        the seconds each phase took (`trl_ppo.legacy` reports both)."""
-        clock = episodes.PhaseClock()
-        self._begin_step_run()  # the first step begins the run; after `train()` ended, that run goes on
-        pad_token_id, device = self.processing_class.pad_token_id, self.accelerator.device
-        rollout = self.add_logprobs_and_values(
-            episodes.rollout_of(queries, responses, pad_token_id, device, response_masks)
-        )
-        rollout.scores = scores.to(rollout.queries.device)
-        clock.lap("forward_pass")
-        rewards = self.compute_rewards(rollout)
-        clock.lap("compute_rewards")
-        advantages = self.compute_advantages(rollout, rewards)
-        self._write_trajectories(self.state.global_step + 1, rollout, rewards, advantages)
-        clock.lap("compute_advantages")
-        result = self.ppo_update(rollout, advantages, detailed)
-        clock.lap("optimize_step")
-        metrics = self._update_metrics(rollout, rewards, result.stats, scores_per_reward={})
-        self.run.kl_coef = next_kl_coef(self.run.kl_coef, metrics["objective/kl"], self.args)
-        self.lr_scheduler.step()
-        metrics = self._end_update(metrics)
-        return episodes.EpisodeUpdate(rollout, rewards, advantages, result, metrics, clock.seconds)
-
-    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log: Sequence[str] = ("query", "response")):
-        """Log `step()`'s `stats` to the configured trackers (`report_to`), and show a table of the batch's
-        `columns_to_log` (texts, or token-id tensors that are decoded) with each episode's reward."""
-        self.log({key: float(value) for key, value in stats.items()})
-        rows = episodes.episode_rows(batch, rewards, columns_to_log, self.processing_class)
-        if self.accelerator.is_main_process:
-            step = self.state.global_step
-            show_table(rows, f"Episodes of update {step}", self.args.report_to, step, key="episodes")
 
     # ------------------------------------------------------------------------- evaluation and completions
     @torch.no_grad()

@@ -46,8 +46,8 @@ from .identity import check_resumable, model_fingerprint, prompts_fingerprint, r
 from .manifest import MANIFEST_NAME, manifest_of
 from .ownership import CheckpointOfAnotherRunError, refuse_checkpoints_of_other_runs, run_to_continue
 from .preemption import PreemptionHandler, stop_requested
-from .run_lock import describe_holder, release_run_lock, take_run_lock
 from .rng import capture_rng_state, load_rng_state, rng_file
+from .run_lock import describe_holder, release_run_lock, take_run_lock
 from .weights import checkpoint_layout, load_trained_weights, named_weights, nonfinite_tensor
 
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from .. import models as core_models
-from ..compat import cache_keyword, returned_cache
 from .. import value_head as core
+from ..compat import cache_keyword, returned_cache
 from .reward_adapter import load_reward_adapter, reward_scores
 
 
