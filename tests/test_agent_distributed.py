@@ -33,12 +33,13 @@ UNGATHERED = ["--ds3_gather_for_generation", "False", "--local_rollout_forward_b
 def test_processes_with_different_numbers_of_turns_finish_together(tmp_path, layout, extra):
     from test_distributed import CONFIGS, LAUNCH, free_port
 
-    config, extra_env, layout_flags = LAUNCH[layout]
+    config, extra_env, layout_flags, layout_accelerate_flags = LAUNCH[layout]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "scripts")])
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]
-    command += ["--main_process_port", str(free_port()), str(SCRIPT), "--report_dir", str(tmp_path / "report")]
+    command += ["--main_process_port", str(free_port()), *layout_accelerate_flags]
+    command += [str(SCRIPT), "--report_dir", str(tmp_path / "report")]
     command += ["--output_dir", str(tmp_path / "out"), *FLAGS, *layout_flags, *extra]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
