@@ -79,6 +79,7 @@ def test_async_reset_get_reward_and_close_run_on_the_tools_loop():
     assert ledger.closed == 1
 
 
+@needs_tool_parsing
 def test_a_factory_function_and_its_environments_reward():
     args = SimpleNamespace(max_turns=3, max_tool_response_length=None)
     tokenizer = build_tool_tokenizer()
@@ -90,6 +91,7 @@ def test_a_factory_function_and_its_environments_reward():
         Environments({"a": Ledger, "b": lambda: None}, ["environment"]).create({"environment": "b"})
 
 
+@needs_tool_parsing
 def test_the_probe_environment_is_closed():
     made = []
 

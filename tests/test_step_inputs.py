@@ -20,6 +20,7 @@ BAD_GENERATION_KWARGS = [
     (dict(eos_token_id=[1, -3]), r"`eos_token_id` must be a token id"),
     (dict(top_p=0.0), r"`top_p` must be a number in \(0, 1\], got 0\.0"),
     (dict(top_k=-2), r"`top_k` must be an integer >= 0, got -2"),
+    (dict(top_k=1.5), r"`top_k` must be an integer >= 0, got 1\.5"),  # 0.0, as TRL's tutorials pass it, is fine
 ]
 
 

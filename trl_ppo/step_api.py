@@ -286,9 +286,9 @@ def check_generation_kwargs(kwargs: dict, vocab_size: int) -> None:
         fail("temperature", "a finite number > 0 (sampling divides the logits by it; for near-greedy use 1e-3)")
     if "top_p" in kwargs and not 0 < (number("top_p") or 0) <= 1:
         fail("top_p", "a number in (0, 1]")
-    for name in ("top_k", "min_new_tokens"):
-        value = kwargs.get(name)
-        if name in kwargs and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+    for name in ("top_k", "min_new_tokens"):  # a whole float too: TRL's tutorials pass `top_k=0.0`
+        value = number(name) if name in kwargs else 0.0
+        if value is None or value < 0 or not value.is_integer():
             fail(name, "an integer >= 0")
     for name in ("eos_token_id", "pad_token_id"):
         if kwargs.get(name) is None:
