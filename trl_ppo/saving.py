@@ -11,6 +11,7 @@ import torch
 from transformers.utils import logging
 
 from .checkpoint import nonfinite_weight_of_any_process
+from .checkpoint.folders import replace_folder
 from .models import PreparedModels
 from .reporting import PLOT_FILE, model_card, plot_curves
 from .value_head import sub_state_dict
@@ -196,11 +197,7 @@ def move_into(staging: str, output_dir: str) -> None:
     for name in names:
         source, target = os.path.join(staging, name), os.path.join(output_dir, name)
         if os.path.isdir(target) and not os.path.islink(target):
-            retired = target + ".replaced"
-            shutil.rmtree(retired, ignore_errors=True)
-            os.replace(target, retired)
-            os.replace(source, target)
-            shutil.rmtree(retired, ignore_errors=True)
+            replace_folder(source, target)
         else:
             os.replace(source, target)
     os.rmdir(staging)

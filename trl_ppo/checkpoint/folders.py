@@ -138,14 +138,20 @@ def publish_checkpoint(staging: str, output_dir: str, step: int) -> str:
     """Move a completely written staging folder to `checkpoint-<step>`, replacing an older one of that name."""
     final = os.path.join(output_dir, f"{CHECKPOINT_PREFIX}{step}")
     if os.path.exists(final):
-        retired = final + ".replaced"
-        shutil.rmtree(retired, ignore_errors=True)
-        os.replace(final, retired)
-        os.replace(staging, final)
-        shutil.rmtree(retired, ignore_errors=True)
+        replace_folder(staging, final)
     else:
         os.replace(staging, final)
     return final
+
+
+def replace_folder(source: str, target: str) -> None:
+    """Put the folder `source` in place of the existing `target`: `target` is set aside first (`os.replace` cannot
+    replace a non-empty folder), then removed once `source` stands in its place."""
+    retired = target + ".replaced"
+    shutil.rmtree(retired, ignore_errors=True)
+    os.replace(target, retired)
+    os.replace(source, target)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str) -> None:
