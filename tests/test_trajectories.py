@@ -1,6 +1,7 @@
 """`trajectory_dir` (issue 35): each update's episodes written as JSON lines during a run, read back, and their
 advantages and losses recomputed without sampling; nothing done when it is off."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -71,7 +72,8 @@ def test_records_of_a_rollout_read_back_and_recompute_exactly(tmp_path, capsys):
                       values=torch.randn(2, 9), scores=torch.tensor([1.0, -1.0]), response_attention_mask=attended)
     rewards = ppo.kl_shaped_rewards(rollout.scores, torch.rand(2, 9) * mask, mask, 0.05)
     args = SimpleNamespace(gamma=0.99, lam=0.9, lam_value=1.0, length_adaptive_lam_alpha=None, gae_level="turn",
-                           cliprange=0.2, cliprange_value=0.2, loss_agg_mode="token-mean")
+                           cliprange=0.2, cliprange_value=0.2, loss_agg_mode="token-mean",
+                           truncated_episodes="terminal")
     advantages = ppo.advantages_and_returns(rewards.rewards, rollout.values, mask, 0.99, 0.9, 1.0, None, "turn")
     records = trajectories.episode_records(3, 0, rollout, rewards, advantages, args)
     assert [len(r["response_ids"]) for r in records] == [8, 3] and records[0]["turn_starts"] == [0, 4, 7]
@@ -82,6 +84,14 @@ def test_records_of_a_rollout_read_back_and_recompute_exactly(tmp_path, capsys):
     assert torch.equal(again.advantages.returns, advantages.returns)
     expected_pg = -ppo.masked_mean(advantages.advantages, mask)  # ratio 1: the clipped loss is -A
     torch.testing.assert_close(again.policy_loss, expected_pg)
+    # A truncated episode bootstrapped from V: the logged rewards are before the bootstrap term, added again here.
+    cut = dataclasses.replace(rollout, truncated=torch.tensor([True, False]))
+    bootstrapped = ppo.bootstrap_truncated_rewards(rewards.rewards, cut.values, mask, cut.truncated, 0.99)
+    advantages = ppo.advantages_and_returns(bootstrapped, cut.values, mask, 0.99, 0.9, 1.0, None, "turn")
+    args.truncated_episodes = "bootstrap"
+    records = trajectories.episode_records(4, 0, cut, rewards, advantages, args)
+    assert [r["truncated"] for r in records] == [True, False]
+    assert torch.equal(trajectories.recompute(records).advantages.advantages, advantages.advantages)
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"update": 1}) + "\n{not json\n")
     with pytest.raises(SystemExit, match="broken.jsonl, line 2: not a JSON trajectory record"):

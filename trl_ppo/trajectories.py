@@ -3,8 +3,9 @@ advantages and losses recomputed from such a file without a model or sampling, s
 can be debugged and tested on CPU (`trl-ppo trajectories FILE`).
 
 One line per episode: the update, the process (`rank`), the prompt and response ids, `model_mask` (1 on the model's
-own tokens, 0 on tool answers), the first token of each model turn (`turn_starts`), the per-turn rewards, the score
-and the per-token `rewards`, `logprobs`, `ref_logprobs`, `values`, `advantages` and `returns` (over the response up
+own tokens, 0 on tool answers), the first token of each model turn (`turn_starts`), the per-turn rewards, the score,
+whether the episode was cut by the budget (`truncated`; with `truncated_episodes="bootstrap"` the recomputation adds
+the bootstrap term to the logged `rewards`, which are before it) and the per-token `rewards`, `logprobs`, `ref_logprobs`, `values`, `advantages` and `returns` (over the response up
 to its last attended token), the settings the advantages used, and, with a tokenizer, the text of each model turn
 and tool answer (`segments`). Each process appends to its own file, `trajectories-<rank>.jsonl`: the advantages are
 whitened over one process's episodes, so one file's update recomputes alone.
@@ -24,7 +25,7 @@ from .rollout import Rollout
 
 # The settings a recomputation needs, read from the config and written on every line.
 SETTINGS = ("gamma", "lam", "lam_value", "length_adaptive_lam_alpha", "gae_level", "cliprange", "cliprange_value",
-            "loss_agg_mode")  # fmt: skip
+            "loss_agg_mode", "truncated_episodes")  # fmt: skip
 
 
 def trajectory_file(directory: str, rank: int) -> str:
@@ -58,6 +59,7 @@ def episode_records(
         record["turn_starts"] = starts[i].nonzero().flatten().tolist()
         record["turn_rewards"] = None if rollout.turn_rewards is None else rollout.turn_rewards[i].tolist()
         record["score"] = None if rollout.scores is None else float(rollout.scores[i])
+        record["truncated"] = None if rollout.truncated is None else bool(rollout.truncated[i])
         for name in ("rewards", "logprobs", "ref_logprobs", "values", "advantages", "returns"):
             record[name] = _row(per_token[name][i], length)
         if tokenizer is not None:
@@ -121,6 +123,9 @@ def recompute(records: list[dict]) -> Recomputed:
     width = records[0]["response_length"]
     mask = _padded(records, "model_mask", width, torch.bool)
     rewards, values = _padded(records, "rewards", width), _padded(records, "values", width)
+    if settings.get("truncated_episodes") == "bootstrap":  # the logged rewards are before the bootstrap term
+        truncated = torch.tensor([bool(r.get("truncated")) for r in records])
+        rewards = ppo.bootstrap_truncated_rewards(rewards, values, mask, truncated, settings["gamma"])
     lambdas = (settings["lam"], settings["lam_value"], settings["length_adaptive_lam_alpha"])
     advantages = ppo.advantages_and_returns(rewards, values, mask, settings["gamma"], *lambdas, settings["gae_level"])
     aggregate = losses.LossAggregation(settings["loss_agg_mode"], None, width)
