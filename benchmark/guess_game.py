@@ -6,9 +6,12 @@
   target, so the model can only find the number by reading the answers. With `max_turns=4` the model has three
   answered guesses (a fourth turn's call is never answered): guessing uniformly at random finds it with
   probability 1 - (7/8)^3 = 0.33; halving the range each time (4, then 2 or 6, ...) finds 7 targets of 8.
-* `SFTSettings` / `train_sft`: a tiny Qwen2 trained from scratch on games played by a random guesser (uniform
-  from 1 to 8, blind to the answers) that says "Found it." after "correct": the start knows the markup and the
-  game's end, not the strategy.
+* `SFTSettings` / `train_sft`: a tiny Qwen2 trained from scratch on games of a random guesser that says "Found it."
+  after "correct". The default guesser ("consistent") draws each guess uniformly from the numbers the answers so
+  far leave possible: the start reads the answers but does not halve the range, and finds the number with
+  probability 0.62 (halving: 0.875), so what RL must learn is which of the possible numbers to guess, a choice
+  whose worth shows only at the game's end. The "blind" guesser (uniform from 1 to 8, the answers ignored,
+  success 0.33) was the first version of this benchmark: nothing learnt from it in 128 episodes.
 * `evaluate`: games on every target through trl_ppo's own turn loop, greedy (one per target) and sampled.
 """
 
@@ -69,27 +72,31 @@ def prompt_ids(tokenizer) -> list[int]:
 # ---------------------------------------------------------------------------------------------------- SFT
 @dataclass(frozen=True)
 class SFTSettings:
-    hidden_size: int = 64
+    hidden_size: int = 128
     num_layers: int = 2
-    num_heads: int = 4
+    num_heads: int = 8
     rope_theta: float = 100.0
-    steps: int = 200
+    steps: int = 400
     batch_size: int = 16
     learning_rate: float = 2e-3
     seed: int = 0
+    guesser: str = "consistent"  # or "blind"
 
     def key(self) -> str:
         return "guess-sft-" + "-".join(f"{k}{v}" for k, v in asdict(self).items())
 
 
-def random_game(target: int, rng: random.Random) -> list[dict]:
-    """A game of the blind random guesser: up to `GUESSES` calls, "Found it." after "correct"."""
+def random_game(target: int, rng: random.Random, guesser: str = "consistent") -> list[dict]:
+    """A game of a random guesser: up to `GUESSES` calls, "Found it." after "correct". Each guess is uniform over
+    the numbers still possible ("consistent") or over `LOW..HIGH` ("blind")."""
     game, messages = GuessGame(), prompt_messages()
     game.reset(target=target)
+    low, high = LOW, HIGH
     for _ in range(GUESSES):
-        n = rng.randint(LOW, HIGH)
+        n = rng.randint(low, high) if guesser == "consistent" else rng.randint(LOW, HIGH)
         call = {"type": "function", "function": {"name": "guess", "arguments": {"n": n}}}
         answer = game.guess(n)
+        low, high = (n + 1, high) if answer == "higher" else (low, n - 1) if answer == "lower" else (low, high)
         messages += [
             {"role": "assistant", "content": "", "tool_calls": [call]},
             {"role": "tool", "name": "guess", "content": answer},
@@ -113,7 +120,7 @@ def train_sft(tokenizer, settings: SFTSettings, output_dir: str, log=print) -> s
     digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
     model.train()
     for step in range(settings.steps):
-        games = [random_game(rng.randint(LOW, HIGH), rng) for _ in range(settings.batch_size)]
+        games = [random_game(rng.randint(LOW, HIGH), rng, settings.guesser) for _ in range(settings.batch_size)]
         batch = agent_task.sft_batch(tokenizer, [agent_task.sft_example(tokenizer, g, [guess]) for g in games])
         loss = agent_task.sft_loss(model, batch, no_copies, digits, 1.0)
         optimizer.zero_grad()

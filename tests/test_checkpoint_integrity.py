@@ -107,7 +107,13 @@ DAMAGES = {
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGES))
+# The quick loop checks one file deleted, one changed and one truncated; make test checks every kind of damage.
+QUICK_DAMAGES = ("config.json deleted", "model.safetensors changed", "optimizer.pt truncated")
+
+
+@pytest.mark.parametrize(
+    "damage", [pytest.param(d, marks=() if d in QUICK_DAMAGES else pytest.mark.slow) for d in DAMAGES]
+)
 def test_a_damaged_newest_checkpoint_is_skipped_and_the_resume_is_bitwise_identical(
     damage, crashed_run, make_config, tokenizer, load_models, prompt_dataset, tmp_path, caplog
 ):
