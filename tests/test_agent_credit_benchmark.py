@@ -46,3 +46,20 @@ def test_episodes_to_reach_a_level():
     credit = load_example_script("agent_credit", folder="benchmark")
     row = {"scores": [0.2, 0.55, 0.4, 0.8], "episodes_per_update": 16}
     assert [credit.episodes_to_reach(row, level) for level in (0.5, 0.7, 0.9)] == [32, 64, None]
+
+
+def guesses_and_answers(messages: list[dict]) -> list[tuple[int, str]]:
+    calls = [m["tool_calls"][0]["function"]["arguments"]["n"] for m in messages if m.get("tool_calls")]
+    return list(zip(calls, [m["content"] for m in messages if m["role"] == "tool"]))
+
+
+def test_the_consistent_guesser_only_guesses_numbers_the_answers_leave_possible(game):
+    rng = random.Random(1)
+    for target in [rng.randint(1, 8) for _ in range(200)]:
+        low, high = 1, 8
+        for n, answer in guesses_and_answers(game.random_game(target, rng)):
+            assert low <= n <= high
+            low, high = (n + 1, high) if answer == "higher" else (low, n - 1) if answer == "lower" else (n, n)
+    # The blind guesser (the first version of the benchmark) does not read the answers.
+    blind = [guesses_and_answers(game.random_game(8, rng, "blind")) for _ in range(200)]
+    assert any(later < first for (first, _), (later, _) in (g[:2] for g in blind if len(g) > 1))
