@@ -30,7 +30,7 @@ UNGATHERED = ["--ds3_gather_for_generation", "False", "--local_rollout_forward_b
 
 
 # ZeRO-3 runs ungathered only: the stricter case (every forward a collective), with the same idle-row sampling as
-# the gathered default; gathering itself is `test_distributed.test_zero3_samples_from_partitioned_weights`'s.
+# the gathered default; gathered sampling is tested in `test_distributed.test_deepspeed_trains_and_saves_a_full_model`.
 @pytest.mark.parametrize("layout, extra", [("ddp", []), ("zero3", UNGATHERED)])
 def test_processes_with_different_numbers_of_turns_finish_together(tmp_path, layout, extra):
     from test_distributed import CONFIGS, LAUNCH, free_port
