@@ -5,10 +5,11 @@ can be debugged and tested on CPU (`trl-ppo trajectories FILE`).
 One line per episode: the update, the process (`rank`), the prompt and response ids, `model_mask` (1 on the model's
 own tokens, 0 on tool answers), the first token of each model turn (`turn_starts`), the per-turn rewards, the score,
 whether the episode was cut by the budget (`truncated`; with `truncated_episodes="bootstrap"` the recomputation adds
-the bootstrap term to the logged `rewards`, which are before it) and the per-token `rewards`, `logprobs`, `ref_logprobs`, `values`, `advantages` and `returns` (over the response up
-to its last attended token), the settings the advantages used, and, with a tokenizer, the text of each model turn
-and tool answer (`segments`). Each process appends to its own file, `trajectories-<rank>.jsonl`: the advantages are
-whitened over one process's episodes, so one file's update recomputes alone.
+the bootstrap term to the logged `rewards`, which are before it) and the per-token `rewards`, `logprobs`,
+`ref_logprobs`, `values`, `advantages` and `returns` (over the response up to its last attended token), the settings
+the advantages used, and, with a tokenizer, the text of each model turn and tool answer (`segments`). Each process
+appends to its own file, `trajectories-<rank>.jsonl`: the advantages are whitened over one process's episodes, so
+one file's update recomputes alone.
 """
 
 from __future__ import annotations
