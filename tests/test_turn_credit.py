@@ -107,8 +107,9 @@ def test_an_unknown_gae_level_or_critic_epochs_below_one_is_refused(make_config)
         validate_config(make_config(num_critic_epochs=0))
 
 
-def test_the_trainer_spreads_turn_level_advantages_over_each_turn(make_config, tokenizer, load_models):
-    trainer = build_trainer(make_config(gae_level="turn", total_episodes=8), tokenizer, load_models)
+@pytest.mark.parametrize("level", [{"gae_level": "turn"}, {}], ids=["turn", "default"])
+def test_the_trainer_spreads_turn_level_advantages_over_each_turn(make_config, tokenizer, load_models, level):
+    trainer = build_trainer(make_config(total_episodes=8, **level), tokenizer, load_models)
     update = trainer.update_on_episodes(*multi_turn_episodes(tokenizer))
     advantages, mask = update.advantages.advantages, update.rollout.response_mask
     assert torch.equal(advantages[:, 0], advantages[:, 1]) and torch.all(advantages[~mask] == 0)
@@ -116,6 +117,13 @@ def test_the_trainer_spreads_turn_level_advantages_over_each_turn(make_config, t
     rewards, values = update.rewards.rewards, update.rollout.values
     expected = ppo.advantages_and_returns(rewards, values, mask, 1.0, 0.95, level="turn")
     assert torch.equal(advantages, expected.advantages) and torch.equal(update.advantages.returns, expected.returns)
+
+
+def test_the_legacy_step_api_keeps_token_level_gae():
+    from trl_ppo.legacy import PPOConfig as LegacyPPOConfig
+    from trl_ppo.legacy.config import core_config
+
+    assert core_config(LegacyPPOConfig(batch_size=4, mini_batch_size=2), None).gae_level == "token"
 
 
 def _value_error(trainer, update) -> float:

@@ -277,12 +277,13 @@ class PPOConfig(OnPolicyConfig):
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "Lambda of generalized advantage estimation (GAE)."})
     gae_level: Literal["token", "turn"] = field(
-        default="token",
+        default="turn",
         metadata={
             "help": "Where GAE steps in multi-turn episodes (tools / environments, or `step()` masks with gaps): "
-            "'token' (every model token a step) or 'turn' (Turn-PPO: each turn of the model a step, its value "
-            "read at its first token, `gamma` and `lam` applied once per turn, its advantage on all its tokens). "
-            "Episodes of one turn get the token-level numbers either way."
+            "'turn' (Turn-PPO: each turn of the model a step, its value read at its first token, `gamma` and `lam` "
+            "applied once per turn, its advantage on all its tokens; the default, as a tool call far from the "
+            "reward then keeps its credit at `lam` 0.95) or 'token' (every model token a step, the default until "
+            "2026-11-26). Episodes of one turn get the token-level numbers either way."
         },
     )
     num_critic_epochs: int = field(
