@@ -206,7 +206,7 @@ def core_config(config: PPOConfig, stop_token: str | None) -> CorePPOConfig:
         kl_penalty=config.kl_penalty,
         gamma=config.gamma,
         lam=config.lam,
-        gae_level="token",  # trl 0.11's GAE stepped over tokens, whatever `response_masks` left out
+        gae_level="token",  # trl 0.11 had no turns: its step() keeps the token-level GAE it has always had here
         cliprange=config.cliprange,
         cliprange_value=config.cliprange_value,
         vf_coef=config.vf_coef,
