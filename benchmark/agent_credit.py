@@ -177,6 +177,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
     parser.add_argument("--smoke", action="store_true", help="Tiny SFT, 1 update, 1 seed, every config.")
     parser.add_argument("--learning_rate", type=float, default=None, help=f"Default {RL['learning_rate']}.")
+    parser.add_argument("--temperature", type=float, default=None, help=f"Default {RL['temperature']}.")
     cli = parser.parse_args()
     if serve_worker(cli.worker, run_one):
         return
@@ -189,6 +190,7 @@ def main() -> None:
     rl, sft = (dict(SMOKE_RL), SMOKE_SFT) if cli.smoke else (dict(RL), SFT)
     rl["updates"] = cli.updates or rl["updates"]
     rl["learning_rate"] = cli.learning_rate or rl["learning_rate"]
+    rl["temperature"] = cli.temperature or rl["temperature"]
     start = time.perf_counter()
     sft_path = game.train_sft(agent_task.build_tokenizer(), sft, cli.output_dir, log=log)
     log(f"SFT policy in {sft_path} ({time.perf_counter() - start:.0f}s)")
