@@ -1,6 +1,7 @@
 """The loop of the old tutorials (gpt2-sentiment style), run with only the imports changed to `trl_ppo.legacy`:
 a tiny GPT-2 learns a rule reward within 10 epochs of 4 steps."""
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -9,6 +10,7 @@ from trl_ppo.legacy import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrai
 from trl_ppo.legacy.core import LengthSampler
 
 
+@pytest.mark.slow
 def test_the_tutorial_loop_raises_the_reward(tmp_path, tokenizer):
     tokenizer.pad_token = tokenizer.eos_token  # as the tutorials do
     torch.manual_seed(0)

@@ -172,6 +172,7 @@ TINY_DEFAULT_JOB = [  # one small update
 ]
 
 
+@pytest.mark.slow
 def test_the_default_job_twice_writes_two_folders_and_an_explicit_earlier_one_is_refused(
     tmp_path, monkeypatch, capsys
 ):

@@ -90,7 +90,7 @@ class StepCounter(TrainerCallback, ExportableState):
     "variant",
     [
         dict(),
-        dict(
+        pytest.param(dict(
             shared_head=True,
             kl_target=0.01,
             kl_horizon=100,
@@ -98,8 +98,8 @@ class StepCounter(TrainerCallback, ExportableState):
             use_score_scaling=True,
             use_score_norm=True,
             score_clip=2.0,
-        ),
-        dict(
+        ), marks=pytest.mark.slow),  # the quick loop resumes the plain run; make test every option set
+        pytest.param(dict(
             critic_warmup_steps=1,
             loss_agg_mode="seq-mean-token-sum-norm",
             cliprange_low=0.1,
@@ -109,7 +109,7 @@ class StepCounter(TrainerCallback, ExportableState):
             lam_value=1.0,
             kl_loss_coef=0.05,
             kl_estimator="k2",
-        ),
+        ), marks=pytest.mark.slow),
     ],
     ids=["value_model", "value_head+adaptive_kl+two_rewards+score_scaling", "large_scale_options"],
 )

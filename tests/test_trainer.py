@@ -174,7 +174,9 @@ def test_gradient_checkpointing_and_bf16_are_honoured(make_config, tokenizer, lo
     assert all(math.isfinite(v) for v in trainer.state.log_history[-1].values() if isinstance(v, float))
 
 
-@pytest.mark.parametrize("value_model", ["separate", None], ids=["value_model", "value_head"])
+@pytest.mark.parametrize(
+    "value_model", [pytest.param("separate", marks=pytest.mark.slow), None], ids=["value_model", "value_head"]
+)  # the quick loop learns with the value head; make test with a separate value model too
 def test_learning_with_a_reward_that_favours_one_token(
     value_model, make_config, tokenizer, load_models, prompt_dataset
 ):
