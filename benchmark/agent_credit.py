@@ -42,6 +42,8 @@ CONFIGS: dict[str, dict] = {
     "ppo-turn": {"gae_level": "turn"},
     "grpo": {},
     "ppo-token-lam1": {"gae_level": "token", "lam": 1.0},
+    # A tighter lower clip: a token's probability may fall by 5% per update, not 20% (DAPO's decoupled clip range).
+    "ppo-turn-cliplow": {"gae_level": "turn", "cliprange_low": 0.05, "cliprange_high": 0.2},
 }
 DEFAULT_CONFIGS = list(CONFIGS)[:3]
 RL = dict(
@@ -84,6 +86,7 @@ def ppo_trainer(spec: dict, tokenizer, policy):
         **common_args(spec), total_episodes=batch * rl["updates"], num_ppo_epochs=rl["num_ppo_epochs"],
         response_length=rl["response_length"], max_turns=game.GUESSES + 1, stop_token="eos",
         missing_eos_penalty=1.0, lam=rl["lam"], gae_level=rl["gae_level"],
+        **{name: rl[name] for name in ("cliprange_low", "cliprange_high") if name in rl},
         local_rollout_forward_batch_size=batch, num_sample_generations=0,
     )
     value_model = AutoModelForSequenceClassification.from_pretrained(spec["sft_path"], num_labels=1)
