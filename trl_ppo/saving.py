@@ -12,6 +12,7 @@ from transformers.utils import logging
 
 from .checkpoint import nonfinite_weight_of_any_process
 from .checkpoint.folders import replace_folder
+from .checkpoint.manifest import unreadable_weights
 from .models import PreparedModels
 from .reporting import PLOT_FILE, model_card, plot_curves
 from .value_head import sub_state_dict
@@ -181,14 +182,11 @@ def save_failure(output_dir: str, error: Exception, needed_bytes: int) -> str:
 
 
 def verify_weights_files(folder: str) -> None:
-    """Every `*.safetensors` file under `folder` opens and holds the bytes its header declares."""
-    from safetensors import safe_open
-
-    for root, _, names in os.walk(folder):
-        for name in (n for n in names if n.endswith(".safetensors")):
-            path = os.path.join(root, name)
-            with safe_open(path, framework="pt") as handle:  # a truncated file fails its header check here
-                handle.keys()
+    """Every `*.safetensors` file under `folder` opens and holds the bytes its header declares, else `OSError`
+    (the check a checkpoint without a manifest gets, `manifest.unreadable_weights`)."""
+    problem = unreadable_weights(folder)
+    if problem is not None:
+        raise OSError(problem)
 
 
 def move_into(staging: str, output_dir: str) -> None:
