@@ -108,15 +108,20 @@ def measure(cli) -> dict:
 
     class UpdateLog(TrainerCallback):
         def __init__(self) -> None:
-            self.times, self.scores, self.logs = [], [], []
+            self.times, self.scores, self.logs, self.save_seconds = [], [], [], []
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.times = [time.perf_counter()]
+        def on_train_begin(self, args, state, control, **kwargs):  # after a resumed run's checkpoint is loaded
+            self.times, self.first_update = [time.perf_counter()], state.global_step + 1
 
         def on_step_end(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter())
+            if cli.stop_after and state.global_step >= cli.stop_after:  # as if preempted: resume goes on from here
+                control.should_training_stop = True
+
+        def on_save(self, args, state, control, **kwargs):  # called after the checkpoint is written
+            self.save_seconds.append(round(time.perf_counter() - self.times[-1], 2))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "objective/scores" in logs:
@@ -139,7 +144,8 @@ def measure(cli) -> dict:
         num_sample_generations=0,
         learning_rate=cli.learning_rate,
         seed=cli.seed,
-        save_strategy="no",
+        save_strategy="steps" if cli.save_steps else "no",
+        save_steps=cli.save_steps or 500,
         report_to="none",
         logging_steps=1,
         bf16=cli.precision == "bf16",
@@ -176,7 +182,7 @@ def measure(cli) -> dict:
     )
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if cli.resume else None)
     steady = log.times[2:]  # from the end of the warm-up update
     seconds = steady[-1] - log.times[1]
     if on_gpu:
@@ -203,6 +209,8 @@ def measure(cli) -> dict:
         "deepspeed_zero_stage": deepspeed_zero_stage(trainer.accelerator) if cli.trainer == "trl_ppo" else None,
         "fsdp_version": fsdp_version(trainer.accelerator) if cli.trainer == "trl_ppo" else None,
         "trl_ppo_flags": cli.trl_ppo_flags if cli.trainer == "trl_ppo" else "",
+        **({"checkpoint_seconds": log.save_seconds} if cli.save_steps else {}),
+        **({"resumed_at_update": log.first_update, "final_update": trainer.state.global_step} if cli.resume else {}),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -327,6 +335,13 @@ def main() -> None:
     )
     parser.add_argument("--results", default=os.path.join(HERE, "results.jsonl"), help="JSON lines appended here.")
     parser.add_argument("--output_dir", default="/tmp/trl_ppo_bench")
+    parser.add_argument("--save_steps", type=int, default=0, help="Write a checkpoint every N updates (0: none).")
+    parser.add_argument(
+        "--stop_after", type=int, default=0, help="Stop the run after this update (0: run all --updates + 1)."
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="Resume from the newest checkpoint in --output_dir/<trainer>."
+    )
     parser.add_argument("--ddp_backend", default=None, help="e.g. gloo for DeepSpeed on CPU (in-process runs).")
     parser.add_argument(
         "--log_history",

