@@ -25,7 +25,8 @@ def median_rows(paths: list[str]) -> dict:
         with open(path) as lines:
             for line in lines:
                 row = json.loads(line)
-                if not row.get("parity"):
+                # single-process speed rows only: not parity runs, sharded layouts (`layout`) or other checks
+                if "trainer" in row and not row.get("parity") and not row.get("layout"):
                     runs[(row["device"], row["shape"], row["precision"], row["trainer"])].append(row)
     table = defaultdict(dict)
     for (device, shape, precision, trainer), rows in runs.items():
