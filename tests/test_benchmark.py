@@ -51,3 +51,35 @@ def test_score_gain_is_the_last_updates_against_the_first():
         "bf16": True,
         "generation_backend": "kv_cache",
     }
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_from_its_checkpoint_and_goes_on(tmp_path):
+    """What gpu_check.sh's "sharded" step does under each layout, in one CPU process: a 5-update run stopped after
+    update 3 (checkpoint there), then a resume that trains updates 4 and 5; the resumed scores are those of an
+    uninterrupted run."""
+    common = [sys.executable, BENCH, "--worker", "trl_ppo", "--shape", "tiny", "--updates", "4"]
+    common += ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
+
+    def run(*extra, output_dir):
+        done = subprocess.run([*common, "--output_dir", str(output_dir), *extra], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+
+    stopped = run("--save_steps", "3", "--stop_after", "3", output_dir=tmp_path / "a")
+    assert len(stopped["scores"]) == 3 and len(stopped["checkpoint_seconds"]) == 1
+    resumed = run("--resume", output_dir=tmp_path / "a")
+    assert (resumed["resumed_at_update"], resumed["final_update"]) == (4, 5)
+    whole = run(output_dir=tmp_path / "b")
+    assert whole["scores"] == stopped["scores"] + resumed["scores"]
+
+
+def test_the_plot_leaves_out_sharded_layouts_and_other_checks(tmp_path):
+    plot = _load("plot_results")
+    row = {"device": "gpu", "shape": "1b", "precision": "bf16", "trainer": "trl_ppo", "episodes_per_second": 40.0}
+    rows = [row, {**row, "episodes_per_second": 15.0, "layout": "zero3"}, {"check": "real_model", "device": "gpu"}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = plot.median_rows([str(path)])
+    assert table[("gpu", "1b", "bf16")]["trl_ppo"]["episodes_per_second"] == 40.0
