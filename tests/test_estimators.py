@@ -149,8 +149,9 @@ def trl_grpo_advantages(rewards: torch.Tensor, num_generations: int, scale_rewar
     start = source.rindex("\n", 0, first) + 1
     block = textwrap.dedent(source[start : source.rindex("\n", 0, last) + 1])
     assert "advantages = rewards - mean_grouped_rewards" in block and "(std_rewards + 1e-4)" in block
+    trainer = types.SimpleNamespace(scale_rewards=scale_rewards)  # what the lines read of `self`
     scope = {"torch": torch, "nanstd": grpo_trainer.nanstd, "rewards": rewards.clone(),
-             "num_generations": num_generations, "self": types.SimpleNamespace(scale_rewards=scale_rewards)}  # fmt: skip
+             "num_generations": num_generations, "self": trainer}  # fmt: skip
     exec(compile(block, "trl GRPOTrainer (advantages)", "exec"), scope)
     return torch.nan_to_num(scope["advantages"], nan=0.0)
 

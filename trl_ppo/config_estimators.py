@@ -30,19 +30,20 @@ class EstimatorConfig:
     num_generations: int = field(
         default=1,
         metadata={
-            "help": "Samples per prompt (TRL GRPO's name): each prompt of a batch is repeated this many times, one "
-            "after the other, and each process's batch holds whole groups, so `per_device_train_batch_size * "
-            "gradient_accumulation_steps` must be a multiple of it. A batch then has `batch_size / num_generations` "
-            "prompts, and an epoch of `train_dataset` is `num_generations * len(train_dataset)` episodes. At least "
-            "2 with a critic-free `advantage_estimator`; with 'gae' it only changes the sampling (VAPO's group "
-            "sampling). `step()` reads each run of `num_generations` consecutive episodes as one group."
+            "help": "Samples per prompt, a group (TRL GRPO's name). Each prompt of a batch is repeated this many "
+            "times, one after the other, and each process's batch holds whole groups, so "
+            "`per_device_train_batch_size * gradient_accumulation_steps` must be a multiple of it. A batch then has "
+            "`batch_size / num_generations` prompts, and an epoch of `train_dataset` is `num_generations * "
+            "len(train_dataset)` episodes. At least 2 with a critic-free `advantage_estimator`; with 'gae' it only "
+            "changes the sampling (VAPO's group sampling). `step()` reads each run of `num_generations` consecutive "
+            "episodes as one group."
         },
     )
     scale_rewards: Literal["group", "none"] = field(
         default="group",
         metadata={
-            "help": "With `advantage_estimator='grpo'` (TRL GRPO's name): 'group' divides each group's centred "
-            "returns by the group's standard deviation (+1e-4), as GRPO does; 'none' does not (Dr. GRPO, Liu et al. "
-            "2025: the std favours prompts that are almost always or almost never solved)."
+            "help": "How `advantage_estimator='grpo'` scales (TRL GRPO's name). 'group' divides each group's "
+            "centred returns by the group's standard deviation (+1e-4), as GRPO does; 'none' does not (Dr. GRPO, Liu "
+            "et al. 2025: the std favours prompts that are almost always or almost never solved)."
         },
     )

@@ -27,7 +27,8 @@ from .rollout import Rollout
 
 # The settings a recomputation needs, read from the config and written on every line.
 SETTINGS = ("gamma", "lam", "lam_value", "length_adaptive_lam_alpha", "gae_level", "cliprange", "cliprange_value",
-            "loss_agg_mode", "truncated_episodes", "advantage_estimator", "num_generations", "scale_rewards")  # fmt: skip
+            "loss_agg_mode", "truncated_episodes", "advantage_estimator", "num_generations",
+            "scale_rewards")  # fmt: skip
 
 
 def trajectory_file(directory: str, rank: int) -> str:
