@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import build_trainer, needs_tool_parsing
 
-from trl_ppo import PPOConfig, PPOTrainer, trajectories
+from trl_ppo import PPOConfig, PPOTrainer, estimators, trajectories
 from trl_ppo.config_checks import validate_config
 from trl_ppo.data import SharedOrderBatchSampler
 from trl_ppo.value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
@@ -138,3 +138,30 @@ def test_multi_turn_grpo_credits_each_episode_once_on_its_model_tokens(make_conf
             assert all(a == 0 for a, f in zip(advantages, flags) if not f)
             assert len({a for a, f in zip(advantages, flags) if f}) == 1  # one number over all its model turns
     assert tools > 0  # some episodes did call the tool
+
+
+def test_step_reads_runs_of_num_generations_episodes_as_groups(make_config, tokenizer, load_models):
+    """`step()` with GRPO: the advantages of 8 given episodes are those of two groups of 4, in their order."""
+    from test_step_api import hand_made_episodes
+
+    config = make_config(total_episodes=80, advantage_estimator="grpo", num_generations=4, kl_coef=0.0)
+    trainer = build_trainer(config, tokenizer, load_models, value_model=None)
+    queries, responses, _ = hand_made_episodes(tokenizer)
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    update = trainer.update_on_episodes(queries, responses, scores)
+    first = update.advantages.advantages[:, 0]
+    torch.testing.assert_close(first, estimators.grpo_advantages(scores, torch.ones(8, dtype=torch.bool), 4))
+    assert torch.equal(first[4:], torch.zeros(4)) and first[0] > 0 > first[1]
+    assert update.rollout.values is None and update.advantages.returns is None
+    assert update.metrics["objective/frac_reward_zero_std"] == 0.5
+
+
+def test_a_training_set_must_hold_the_prompts_of_one_batch_not_its_episodes():
+    from datasets import Dataset
+
+    from trl_ppo.data import check_one_batch
+
+    check_one_batch(Dataset.from_dict({"prompt": ["a", "b"]}), batch_size=8, samples_per_prompt=4)  # 2 prompts
+    with pytest.raises(ValueError, match=r"has 1 prompts, fewer than one batch takes \(2 = `batch_size` 8 = .* / "
+                                         r"num_generations \(4\)\)"):
+        check_one_batch(Dataset.from_dict({"prompt": ["a"]}), batch_size=8, samples_per_prompt=4)

@@ -166,7 +166,8 @@ class PolicyAndValueWrapper(nn.Module):
         entropy_grad: bool = False,
     ) -> ResponseOutput:
         """Log-probs of the response tokens `responses` `[B, T]` (the end of `input_ids` `[B, L]`) under the
-        policy and their values `[B, T]` (float32); the other arguments as in `logprobs.response_logprobs`."""
+        policy and their values `[B, T]` (float32; None without a critic); the other arguments as in
+        `logprobs.response_logprobs`."""
         output = response_logprobs(
             self.policy,
             input_ids,
