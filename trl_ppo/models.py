@@ -19,7 +19,6 @@ from transformers.utils import logging
 
 from . import distributed as dist
 from .compat import enable_activation_checkpointing
-from .estimators import uses_critic
 from .logprobs import ResponseOutput, position_ids_from_mask, response_logprobs
 from .value_head import AutoModelForCausalLMWithValueHead, causal_lm, is_value_head_model
 
@@ -186,15 +185,11 @@ class PolicyAndValueWrapper(nn.Module):
 
 
 def with_value_function(
-    model: nn.Module, value_model: nn.Module | None, seed: int, head_init: str = "zeros", estimator: str = "gae"
+    model: nn.Module, value_model: nn.Module | None, seed: int, head_init: str = "zeros"
 ) -> nn.Module:
     """The policy to train: `model` as given when a separate `value_model` is checked and used, else `model` with
-    a new value head (`AutoModelForCausalLMWithValueHead`): zeros, or with `head_init="normal"` drawn from `seed`.
-    A critic-free `estimator` trains no value function: `model` as given, which must be a plain causal LM, and no
-    `value_model` (`without_critic`)."""
+    a new value head (`AutoModelForCausalLMWithValueHead`): zeros, or with `head_init="normal"` drawn from `seed`."""
     check_causal_lm(model)
-    if not uses_critic(estimator):
-        return without_critic(model, value_model, estimator)
     if head_init != "zeros" and (value_model is not None or is_value_head_model(model)):
         which = "a separate `value_model` is given" if value_model is not None else "`model` has its value head"
         logger.warning(
@@ -217,23 +212,6 @@ def with_value_function(
     if head_init == "zeros":
         policy.v_head.reset_parameters("zeros")
     return policy
-
-
-def without_critic(model: nn.Module, value_model: nn.Module | None, estimator: str) -> nn.Module:
-    """`model` for a run without a value function: a `value_model`, or a value head on `model`, would be held in
-    memory and saved but never trained, so either is refused (before any compute), with the fix."""
-    if value_model is not None or is_value_head_model(model):
-        given = "a `value_model` was given" if value_model is not None else "`model` has a value head"
-        instead = "pass `value_model=None`" if value_model is not None else "pass `model.pretrained_model`"
-        raise ValueError(
-            f"`advantage_estimator={estimator!r}` is critic-free (no value function is trained), but {given}: "
-            f"{instead}, or use `advantage_estimator='gae'` to train it."
-        )
-    logger.warning(
-        f"`advantage_estimator={estimator!r}`: critic-free, so no value model or value head is built and no value "
-        "loss runs; the logs have no `loss/value_avg` or `val/clipfrac_avg`."
-    )
-    return model
 
 
 def add_peft_adapter(policy: nn.Module, peft_config) -> nn.Module:

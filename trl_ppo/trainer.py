@@ -20,7 +20,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from . import data, estimators, fsdp, ppo, reporting, saving, trajectories
+from . import data, estimators, fsdp, ppo, preparation, reporting, saving, trajectories
 from . import distributed as dist
 from . import update as ppo_epochs
 from .agents.runner import agent_runner
@@ -38,7 +38,6 @@ from .models import (
     is_peft_model,
     shared_parameters,
     vocabulary_size,
-    with_value_function,
 )
 from .on_policy_trainer import OnPolicyTrainer
 from .preparation import initial_fingerprints, prepare_all_models, prepare_data, refuse_old_names, validate_inputs
@@ -106,7 +105,7 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
         rewards = validate_inputs(args, tokenizer, reward_model, reward_processing_class, environment_factory)
         given = reward_model is not None
         self.agents = agent_runner(args, tokenizer, tools, environment_factory, rewards, train_dataset, given)
-        model = with_value_function(model, value_model, args.seed, args.value_head_init, args.advantage_estimator)
+        model = preparation.policy_to_train(args, model, value_model)  # with its value function, unless critic-free
         datasets = prepare_data(args, tokenizer, train_dataset, eval_dataset, model, rewards, self._passed_columns())
         train_dataset, eval_dataset = datasets
         fingerprints = initial_fingerprints(model, ref_model, value_model, rewards, train_dataset)
