@@ -176,7 +176,7 @@ def measure(cli) -> dict:
         model=policy,
         ref_model=ref_model,
         reward_model=reward_model,
-        value_model=value_model,
+        value_model=None if getattr(config, "advantage_estimator", "gae") != "gae" else value_model,  # critic-free
         train_dataset=dataset,
         callbacks=[log],
     )

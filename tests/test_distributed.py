@@ -189,6 +189,22 @@ def test_deepspeed_trains_and_saves_a_full_model(tmp_path, extensions_dir, stage
         assert all(0 < count <= 3 * reports[0]["policy_tensors"] for count in reports[0]["sampling_gathers"])
 
 
+@pytest.mark.parametrize("layout", ["ddp", "zero2"])
+def test_a_critic_free_estimator_trains_whole_groups_on_every_process(tmp_path, extensions_dir, layout):
+    """GRPO over groups of 4 on 2 processes: each process's batch of 8 is 2 whole groups (a group split across
+    processes would not divide `per_device_train_batch_size * gradient_accumulation_steps`); no value function."""
+    report_dir = tmp_path / layout
+    flags = ["--value", "none", "--advantage_estimator", "grpo", "--num_generations", "4", *STOP_AT_EOS]
+    reports = launch(layout, report_dir, *flags, extensions_dir=extensions_dir)
+    check_ranks_agree(reports, report_dir)
+    assert reports[0]["global_step"] == 2
+    final = weights(report_dir)
+    assert not any(name.startswith("value_model.") or "v_head" in name for name in final)
+    assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
+    logged = reports[0]["log_history"][0]
+    assert "loss/value_avg" not in logged and 0 <= logged["objective/frac_reward_zero_std"] <= 1
+
+
 def test_zero2_bf16_reference_is_in_the_policys_precision(tmp_path, extensions_dir):
     # DeepSpeed casts the policy's parameters to bf16; the frozen reference must be cast the same way, or the KL
     # of the first update (policy == reference) is not 0.

@@ -55,7 +55,7 @@ def make(
         ref_model=None,
         reward_model=rewards if rewards is not None else ([reward, length] if shared_head else reward),
         train_dataset=prompt_dataset,
-        value_model=None if shared_head else value_model,
+        value_model=None if shared_head or values.get("advantage_estimator", "gae") != "gae" else value_model,
         callbacks=callbacks,
     )
 
@@ -110,8 +110,14 @@ class StepCounter(TrainerCallback, ExportableState):
             kl_loss_coef=0.05,
             kl_estimator="k2",
         ), marks=pytest.mark.slow),
+        dict(advantage_estimator="grpo", num_generations=4),  # critic-free: no value function to restore
+        pytest.param(dict(advantage_estimator="rloo", num_generations=2), marks=pytest.mark.slow),
+        pytest.param(dict(advantage_estimator="reinforce_baseline", num_generations=4, kl_coef=0.0,
+                          kl_loss_coef=0.05), marks=pytest.mark.slow),  # fmt: skip
+        pytest.param(dict(num_generations=2), marks=pytest.mark.slow),  # groups with the critic
     ],
-    ids=["value_model", "value_head+adaptive_kl+two_rewards+score_scaling", "large_scale_options"],
+    ids=["value_model", "value_head+adaptive_kl+two_rewards+score_scaling", "large_scale_options", "grpo", "rloo",
+         "reinforce_baseline", "gae+num_generations"],
 )
 def test_resume_is_bitwise_identical(variant, make_config, tokenizer, load_models, prompt_dataset, tmp_path):
     """6 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit. The
@@ -162,6 +168,22 @@ def test_resume_with_another_batch_size_or_model_names_the_difference(
     other_model = make(make_config, tokenizer, load_models, prompt_dataset, arch="gpt_neox", total_episodes=16)
     with pytest.raises(ValueError, match="policy_fingerprint"):
         other_model.train(resume_from_checkpoint=True)
+
+
+def test_resume_with_another_advantage_estimator_is_refused(make_config, tokenizer, load_models, prompt_dataset):
+    """The checkpoint records the estimator (and the samples per prompt): another one is another algorithm."""
+    grpo = dict(advantage_estimator="grpo", num_generations=4, total_episodes=16)
+    make(make_config, tokenizer, load_models, prompt_dataset, **grpo).train()
+    rloo = make(make_config, tokenizer, load_models, prompt_dataset, **(grpo | dict(advantage_estimator="rloo")))
+    with pytest.raises(ValueError, match=r"`advantage_estimator`: 'grpo' in the checkpoint, 'rloo' now \(another "
+                                         r"estimator of the advantages, with or without a critic: another algorithm"):
+        rloo.train(resume_from_checkpoint=True)
+    pairs = make(make_config, tokenizer, load_models, prompt_dataset, **(grpo | dict(num_generations=2)))
+    with pytest.raises(ValueError, match=r"`num_generations`: 4 in the checkpoint, 2 now \(other groups of samples"):
+        pairs.train(resume_from_checkpoint=True)
+    gae = make(make_config, tokenizer, load_models, prompt_dataset, total_episodes=16)
+    with pytest.raises(ValueError, match=r"`advantage_estimator`: 'grpo' in the checkpoint, 'gae' now"):
+        gae.train(resume_from_checkpoint=True)
 
 
 def test_a_checkpoint_with_the_value_head_drawn_names_value_head_init_and_resumes_with_it(

@@ -227,9 +227,11 @@ def load_models(training_args: PPOConfig, model_args: ModelConfig, reward_functi
     """(tokenizer, policy, ref_policy, value_model, reward_model) as in TRL's PPO example: the tokenizer from
     `model_name_or_path`, the policy (and its reference) from `sft_model_path`, value and reward models from
     `reward_model_path`. Each may be a hub name or a local folder. With a `reward_function`, it is the reward and
-    the value model is None (a value head on the policy's backbone)."""
+    the value model is None (a value head on the policy's backbone); a critic-free `advantage_estimator` has none."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from .estimators import uses_critic
 
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
     quantization_config = get_quantization_config(model_args)
@@ -247,13 +249,15 @@ def load_models(training_args: PPOConfig, model_args: ModelConfig, reward_functi
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "[PAD]"})
     value_model, reward_model = None, reward_function
-    if reward_function is None:
-        value_model, reward_model = (
+    if reward_function is None:  # the value model too, unless the estimator is critic-free
+        critic = uses_critic(training_args.advantage_estimator)
+        loaded = [
             AutoModelForSequenceClassification.from_pretrained(
                 training_args.reward_model_path, num_labels=1, trust_remote_code=model_args.trust_remote_code
             )
-            for _ in range(2)
-        )
+            for _ in range(2 if critic else 1)
+        ]
+        value_model, reward_model = loaded[0] if critic else None, loaded[-1]
     policy = AutoModelForCausalLM.from_pretrained(training_args.sft_model_path, **model_kwargs)
     ref_policy = None
     if not model_args.use_peft:
@@ -318,6 +322,7 @@ def run_default_job(argv: list[str], command: list[str] = ()) -> None:
     """Train the tiny embedded policy with the sentiment reward, or `--reward_function` (on the shipped prompts by
     default), into a new folder under `trl_ppo_default_run/` unless `--output_dir` is given."""
     from . import default_job
+    from .estimators import uses_critic
 
     if not flag_given(argv, "output_dir"):
         base = default_job.DEFAULT_JOB_SETTINGS["output_dir"]
@@ -336,6 +341,7 @@ def run_default_job(argv: list[str], command: list[str] = ()) -> None:
     check_resume_flag(training_args)
     tokenizer = default_job.build_word_tokenizer()
     policy, value_model = default_job.build_tiny_models(tokenizer)
+    value_model = value_model if uses_critic(training_args.advantage_estimator) else None  # critic-free: none
     train_and_save(
         training_args,
         model_args,

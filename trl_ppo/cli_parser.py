@@ -38,8 +38,8 @@ SECTIONS = (
      "generation_backend num_sample_generations"),
     ("batch layout", "total_episodes per_device_train_batch_size gradient_accumulation_steps num_mini_batches "
      "num_ppo_epochs local_rollout_forward_batch_size train_forward_batch_size logprobs_chunk_size"),
-    ("PPO losses and advantages", "learning_rate cliprange cliprange_value vf_coef value_head_init gamma lam "
-     "gae_level whiten_rewards loss_agg_mode max_grad_norm"),
+    ("PPO losses and advantages", "learning_rate advantage_estimator num_generations scale_rewards cliprange "
+     "cliprange_value vf_coef value_head_init gamma lam gae_level whiten_rewards loss_agg_mode max_grad_norm"),
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
     ("agents: tools and environments", "max_turns max_tool_response_length tool_timeout truncated_episodes"),

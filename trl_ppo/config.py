@@ -13,6 +13,7 @@ from typing import Literal
 
 from transformers import TrainingArguments
 
+from .config_estimators import EstimatorConfig
 from .config_fields import check_fields, check_interval_steps
 
 
@@ -182,8 +183,9 @@ class OnPolicyConfig(TrainingArguments):
 
 
 @dataclass
-class PPOConfig(OnPolicyConfig):
-    """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report)."""
+class PPOConfig(EstimatorConfig, OnPolicyConfig):
+    """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report), and
+    the advantage estimator with its samples per prompt (`EstimatorConfig`)."""
 
     exp_name: str = field(default="ppo_config", metadata={"help": "Name of this experiment."})
     reward_model_path: str = field(

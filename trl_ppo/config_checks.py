@@ -9,6 +9,7 @@ from transformers.utils import logging
 
 from .config import OnPolicyConfig, PPOConfig
 from .config_fields import check_fields
+from .estimators import CRITIC_FREE, ESTIMATORS, SCALE_REWARDS, uses_critic
 from .kl import KL_ESTIMATORS
 from .losses import LOSS_AGG_MODES
 from .value_head import VALUE_HEAD_INITS
@@ -24,9 +25,15 @@ def _exact_div(numerator: int, denominator: int, what: str, numerator_name: str,
     return numerator // denominator
 
 
+def samples_per_prompt(args: OnPolicyConfig) -> int:
+    """`num_generations`: the episodes each prompt of a batch gives (1 for a config without the field)."""
+    return getattr(args, "num_generations", 1)
+
+
 def total_episodes(args: OnPolicyConfig, train_dataset_len: int) -> int:
     """The run's episodes: `max_steps` updates of `batch_size` when set (as in `transformers`, where it overrides
-    `num_train_epochs`), else `total_episodes`, else `num_train_epochs` passes over the prompts."""
+    `num_train_epochs`), else `total_episodes`, else `num_train_epochs` passes over the prompts (each prompt
+    `num_generations` episodes)."""
     if args.max_steps > 0:
         episodes = args.max_steps * args.batch_size
         if args.total_episodes is not None and args.total_episodes != episodes:
@@ -36,7 +43,7 @@ def total_episodes(args: OnPolicyConfig, train_dataset_len: int) -> int:
             )
         return episodes
     if args.total_episodes is None:
-        return int(args.num_train_epochs * train_dataset_len)
+        return int(args.num_train_epochs * train_dataset_len * samples_per_prompt(args))
     return args.total_episodes
 
 
@@ -87,9 +94,10 @@ def compute_batch_sizes(args: OnPolicyConfig, world_size: int, train_dataset_len
             "per_device_train_batch_size * gradient_accumulation_steps * processes): training one batch."
         )
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
-    if train_dataset_len and args.total_episodes > 100 * train_dataset_len:
+    prompts_drawn = args.total_episodes / samples_per_prompt(args)
+    if train_dataset_len and prompts_drawn > 100 * train_dataset_len:
         logger.warning(
-            f"`total_episodes` ({args.total_episodes}) makes {args.total_episodes / train_dataset_len:.0f} passes over "
+            f"`total_episodes` ({args.total_episodes}) makes {prompts_drawn / train_dataset_len:.0f} passes over "
             f"the {train_dataset_len} prompts of `train_dataset`: the policy may overfit them. Intended?"
         )
     warmup = getattr(args, "critic_warmup_steps", 0)
@@ -226,6 +234,7 @@ def _validate_ppo_config(args: PPOConfig) -> None:
         fail(f"`num_critic_epochs` must be at least 1 (1: the value trains with the policy only), got "
              f"{args.num_critic_epochs}.")
     _validate_large_scale_options(args)
+    _validate_estimator(args)
 
 
 def _validate_large_scale_options(args: PPOConfig) -> None:
@@ -267,3 +276,50 @@ def _validate_large_scale_options(args: PPOConfig) -> None:
             f"`kl_loss_estimator={args.kl_loss_estimator!r}` estimates the KL loss, which is off "
             "(`kl_loss_coef=0.0`): set `kl_loss_coef` > 0, or leave `kl_loss_estimator` at its default."
         )
+
+
+# The options of the critic (GAE's value function) with their "off" values: a critic-free estimator refuses others.
+CRITIC_OPTIONS = (
+    ("num_critic_epochs", 1),
+    ("critic_warmup_steps", 0),
+    ("lam_value", None),
+    ("length_adaptive_lam_alpha", None),
+    ("value_head_init", "zeros"),
+    ("save_value_model", False),
+    ("whiten_rewards", False),
+)
+
+
+def _validate_estimator(args: PPOConfig) -> None:
+    """`advantage_estimator`, `num_generations` and `scale_rewards`, and the options a critic-free estimator has no
+    use for."""
+    estimator, generations = args.advantage_estimator, args.num_generations
+    if estimator not in ESTIMATORS:
+        fail(f"Unknown `advantage_estimator` {estimator!r}: use one of {', '.join(map(repr, ESTIMATORS))}.")
+    if args.scale_rewards not in SCALE_REWARDS:
+        fail(f"Unknown `scale_rewards` {args.scale_rewards!r}: use 'group' (GRPO) or 'none' (Dr. GRPO).")
+    if args.scale_rewards != "group" and estimator != "grpo":
+        fail(f"`scale_rewards={args.scale_rewards!r}` is an option of `advantage_estimator='grpo'`, not of "
+             f"{estimator!r}: leave it at 'group'.")
+    if generations < 1:
+        fail(f"`num_generations` must be at least 1 (samples per prompt), got {generations}.")
+    local = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    if local % generations:
+        fail(f"Each process's batch must hold whole groups of `num_generations` ({generations}) samples of a prompt: "
+             f"`per_device_train_batch_size * gradient_accumulation_steps` ({local}) is not a multiple of it.")
+    if uses_critic(estimator):
+        return
+    if generations < 2:
+        fail(f"`advantage_estimator={estimator!r}` compares the samples of a prompt with each other: it needs "
+             f"`num_generations` >= 2 (with 1, every advantage would be 0). Set `num_generations` (e.g. 4).")
+    for name, off in CRITIC_OPTIONS:
+        if getattr(args, name) != off:
+            fail(f"`{name}={getattr(args, name)!r}` is an option of the critic, and `advantage_estimator="
+                 f"{estimator!r}` has none (critic-free: {', '.join(CRITIC_FREE)}): leave `{name}` at {off!r}, or "
+                 "use `advantage_estimator='gae'`.")
+    if args.truncated_episodes == "bootstrap":
+        fail(f"`truncated_episodes='bootstrap'` bootstraps from the critic's value, and `advantage_estimator="
+             f"{estimator!r}` has no critic: use 'terminal' or 'mask'.")
+    if args.gamma != 1.0:
+        fail(f"`advantage_estimator={estimator!r}` scores whole episodes (gamma 1, as OpenRLHF's group estimators): "
+             f"`gamma` must be 1.0, got {args.gamma}.")

@@ -104,17 +104,25 @@ class SharedOrderBatchSampler:
     """Batches of dataset indices for one process, in an order every process shares.
 
     Each epoch is a permutation of the dataset seeded by `seed + epoch`, cut into global batches of
-    `local_batch_size * num_processes`; process `process_index` takes its slice of each (an incomplete last
-    global batch is dropped). Iteration starts at `(epoch, start_batch)`, so a resumed run continues exactly
-    where the interrupted one stopped.
+    `local_batch_size / repeats * num_processes` prompts; process `process_index` takes its slice of each (an
+    incomplete last global batch is dropped), each prompt `repeats` times in a row (`num_generations`: the samples of
+    one prompt, a group, stay whole on one process, TRL GRPO's `RepeatSampler` idea). Iteration starts at
+    `(epoch, start_batch)`, so a resumed run continues exactly where the interrupted one stopped.
     """
 
     def __init__(
-        self, dataset_length: int, local_batch_size: int, num_processes: int, process_index: int, seed: int
+        self,
+        dataset_length: int,
+        local_batch_size: int,
+        num_processes: int,
+        process_index: int,
+        seed: int,
+        repeats: int = 1,
     ) -> None:
-        self.local_batch_size = local_batch_size
-        self.global_batch_size = local_batch_size * num_processes
-        self.offset = process_index * local_batch_size
+        self.local_batch_size = local_batch_size // repeats  # prompts, each sampled `repeats` times
+        self.repeats = repeats
+        self.global_batch_size = self.local_batch_size * num_processes
+        self.offset = process_index * self.local_batch_size
         self.dataset_length = dataset_length
         self.batches_per_epoch = dataset_length // self.global_batch_size
         self.seed = seed
@@ -129,7 +137,8 @@ class SharedOrderBatchSampler:
         order = torch.randperm(self.dataset_length, generator=generator)
         for batch in range(self.start_batch, self.batches_per_epoch):
             start = batch * self.global_batch_size + self.offset
-            yield order[start : start + self.local_batch_size].tolist()
+            prompts = order[start : start + self.local_batch_size]
+            yield (prompts if self.repeats == 1 else prompts.repeat_interleave(self.repeats)).tolist()
 
 
 def fit_prompts(dataset, max_prompt_length: int | None, response_length: int, context_length: int | None, name: str):
@@ -165,7 +174,8 @@ def shared_order_loader(dataset, args, collate, num_processes: int, process_inde
     """This process's batches of `local_batch_size` prompts, in the order seeded by `data_seed` (else `seed`)
     that all processes share -> (DataLoader, its `SharedOrderBatchSampler`, whose position can be set)."""
     seed = args.data_seed if args.data_seed is not None else args.seed
-    sampler = SharedOrderBatchSampler(len(dataset), args.local_batch_size, num_processes, process_index, seed)
+    repeats = getattr(args, "num_generations", 1)
+    sampler = SharedOrderBatchSampler(len(dataset), args.local_batch_size, num_processes, process_index, seed, repeats)
     # Its own generator: starting an iterator draws a seed, which must not consume the global RNG (a resumed
     # run starts its iterator at another moment than the run it continues).
     generator = torch.Generator().manual_seed(seed)
@@ -229,12 +239,15 @@ def check_datasets(args, train_dataset, eval_dataset) -> None:
         )
 
 
-def check_one_batch(train_dataset, batch_size: int) -> None:
-    """Refuse a training set smaller than one global batch (`batch_size`, known once the processes are)."""
-    if train_dataset is not None and len(train_dataset) < batch_size:
+def check_one_batch(train_dataset, batch_size: int, samples_per_prompt: int = 1) -> None:
+    """Refuse a training set with fewer prompts than one global batch takes (`batch_size`, known once the processes
+    are, over `samples_per_prompt`, `num_generations`)."""
+    prompts = batch_size // samples_per_prompt
+    if train_dataset is not None and len(train_dataset) < prompts:
+        per_prompt = f" / num_generations ({samples_per_prompt})" if samples_per_prompt > 1 else ""
         raise ValueError(
-            f"`train_dataset` has {len(train_dataset)} prompts, fewer than one batch (`batch_size` = "
-            f"{batch_size} = per_device_train_batch_size * gradient_accumulation_steps * world_size): "
+            f"`train_dataset` has {len(train_dataset)} prompts, fewer than one batch takes ({prompts} = `batch_size` "
+            f"{batch_size} = per_device_train_batch_size * gradient_accumulation_steps * world_size{per_prompt}): "
             "add prompts or lower the batch size."
         )
 

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from . import ppo
+from . import estimators, ppo
 from .rollout import Rollout
 
 # Reported as of the latest update; summed over the updates since the last log (counts of events); every other
@@ -34,10 +34,12 @@ def update_metrics(
     lr: float,
     report_shaped_scores: bool = False,
     skipped_updates: int | None = None,
+    num_generations: int = 1,
 ) -> dict[str, float]:
     """PPOv2's metrics for one update and the responses' mean length, averaged (counts: summed) over all
     processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`),
-    `objective/shaped_scores` when `report_shaped_scores`, and `loss/skipped_updates` when `skipped_updates` is given.
+    `objective/shaped_scores` when `report_shaped_scores`, `loss/skipped_updates` when `skipped_updates` is given,
+    and with `num_generations` > 1 `objective/frac_reward_zero_std` (the groups whose returns are all equal).
 
     rewards: the rollout's KL-shaped rewards; update_stats maps a metric name to its values per micro-batch `[n]`;
     scores_per_reward maps a reward name to `(scores [B], present [B] or None)`.
@@ -56,6 +58,10 @@ def update_metrics(
         local["val/missing_stop_token_frac"] = (
             (~ppo.contains_stop_token(rollout.responses, ppo.last_turn_mask(mask), stop_token_id)).float().mean()
         )
+    if num_generations > 1:  # groups of consecutive episodes (`estimators`)
+        returns = estimators.episode_returns(rewards.shaped_scores, rollout.turn_rewards)
+        zero_std = estimators.frac_reward_zero_std(returns, mask.any(-1), num_generations)
+        local["objective/frac_reward_zero_std"] = zero_std
     local.update({key: values.float().mean() for key, values in update_stats.items()})
     names = list(local)
     gathered = accelerator.gather(torch.stack([local[n].float() for n in names]).unsqueeze(0))

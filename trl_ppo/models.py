@@ -123,12 +123,13 @@ class PolicyAndValueWrapper(nn.Module):
     `accelerator.prepare` and one checkpoint cover both.
 
     Either `value_model` is a separate sequence-classification model, or it is None and `policy` is an
-    `AutoModelForCausalLMWithValueHead` whose head gives the values in the same forward pass as the logits.
+    `AutoModelForCausalLMWithValueHead` whose head gives the values in the same forward pass as the logits, or,
+    without a `critic` (a critic-free `advantage_estimator`), there is no value function and the values are None.
     """
 
-    def __init__(self, policy: nn.Module, value_model: nn.Module | None) -> None:
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None, critic: bool = True) -> None:
         super().__init__()
-        if value_model is None and not is_value_head_model(policy):
+        if critic and value_model is None and not is_value_head_model(policy):
             raise TypeError("Without a `value_model` the policy must be an `AutoModelForCausalLMWithValueHead`.")
         self.policy = policy
         self.value_model = value_model
@@ -164,7 +165,8 @@ class PolicyAndValueWrapper(nn.Module):
         entropy_grad: bool = False,
     ) -> ResponseOutput:
         """Log-probs of the response tokens `responses` `[B, T]` (the end of `input_ids` `[B, L]`) under the
-        policy and their values `[B, T]` (float32); the other arguments as in `logprobs.response_logprobs`."""
+        policy and their values `[B, T]` (float32; None without a critic); the other arguments as in
+        `logprobs.response_logprobs`."""
         output = response_logprobs(
             self.policy,
             input_ids,

@@ -20,7 +20,7 @@ from . import data, reporting, saving
 from . import distributed as dist
 from .checkpoint.trainer_files import exportable_callbacks, restore_trainer_checkpoint, write_trainer_checkpoint
 from .checkpoint.weights import named_weights
-from .config_checks import compute_batch_sizes
+from .config_checks import compute_batch_sizes, samples_per_prompt
 from .metrics import episodes_per_second
 from .models import PreparedModels
 from .run_state import PPOTrainerState, RunState
@@ -75,7 +75,7 @@ class OnPolicyTrainer(Trainer):
                 "`use_cpu=True` for bfloat16 autocast, or leave the precision flags off."
             )
         compute_batch_sizes(args, self.accelerator.num_processes, len(train_dataset or ()))
-        data.check_one_batch(train_dataset, args.batch_size)
+        data.check_one_batch(train_dataset, args.batch_size, samples_per_prompt(args))
         self.state = self._new_trainer_state()
         self._new_run_state()
         self._run_identity = ckpt.run_identity(args, fingerprints, reward_names)
@@ -139,7 +139,7 @@ class OnPolicyTrainer(Trainer):
         self.state = self._new_trainer_state(earlier_logs if checkpoint is None else None)
         if checkpoint is not None:
             self._restore_checkpoint(checkpoint)
-        epochs = args.total_episodes / len(self.train_dataset) if self.train_dataset is not None else 1.0
+        epochs = self._epochs(args.total_episodes)
         self.state.init_training_references(self, args.num_total_batches, epochs, None)
         self.state.compute_steps(args, args.num_total_batches)
         self._set_going()
@@ -155,6 +155,13 @@ class OnPolicyTrainer(Trainer):
         else:
             self._start_run(None)
 
+    def _epochs(self, episodes: int) -> float:
+        """Passes over `train_dataset` that `episodes` make (each prompt `num_generations` episodes); 1.0 without
+        one."""
+        if self.train_dataset is None:
+            return 1.0
+        return episodes / (len(self.train_dataset) * samples_per_prompt(self.args))
+
     def _set_going(self) -> None:
         """The clock of `eps`, training mode and the callbacks' `on_train_begin`, as updates begin."""
         self._start_time, self._start_episode = time.time(), self.state.episode
@@ -168,7 +175,7 @@ class OnPolicyTrainer(Trainer):
         args, state = self.args, self.state
         state.episode += args.batch_size
         state.global_step += 1
-        state.epoch = state.episode / len(self.train_dataset) if self.train_dataset is not None else 0.0
+        state.epoch = self._epochs(state.episode) if self.train_dataset is not None else 0.0
         metrics["eps"] = episodes_per_second(state.episode - self._start_episode, time.time() - self._start_time)
         metrics["episode"] = state.episode
         self.run.metrics_since_log.add(metrics)

@@ -363,8 +363,9 @@ def gae_by_level(
 class Advantages:
     """What the update optimises towards, for one rollout: both `[B, T]`, zero on padding."""
 
-    advantages: torch.Tensor  # GAE advantages, whitened over the response tokens
-    returns: torch.Tensor  # GAE advantages (before whitening, with the value lambda) + values: the value targets
+    advantages: torch.Tensor  # GAE advantages, whitened over the response tokens (or a group estimator's)
+    # GAE advantages (before whitening, with the value lambda) + values: the value targets; None without a critic
+    returns: torch.Tensor | None
     policy_lam: torch.Tensor | None = None  # [B] the advantages' lambda per episode, when length-adaptive
 
 

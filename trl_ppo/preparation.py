@@ -8,20 +8,27 @@ import functools
 import inspect
 
 from torch import nn
+from transformers.utils import logging
 
 from . import checkpoint as ckpt
 from .config import OnPolicyConfig
 from .config_checks import validate_config
 from .data import check_datasets, prepare_prompts, require_pad_token
+from .estimators import uses_critic
 from .models import (
+    check_causal_lm,
     check_vocabularies,
     context_length,
     gradient_checkpointing_kwargs,
     prepare_models,
     vocabulary_size,
+    with_value_function,
 )
 from .rewards import Reward, build_rewards, check_reward_columns, models_reading_policy_ids
 from .saving import check_writable
+from .value_head import is_value_head_model
+
+logger = logging.get_logger(__name__)
 
 # Argument names of TRL's earlier PPO trainers -> what to pass here instead.
 RENAMED_ARGUMENTS = {
@@ -83,6 +90,28 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class, envi
         )
     environments = environment_factory is not None
     return build_rewards(reward_model, args.reward_weights, reward_processing_class, environments)
+
+
+def policy_to_train(args, model: nn.Module, value_model: nn.Module | None) -> nn.Module:
+    """The policy with its value function (`models.with_value_function`), or for a critic-free
+    `advantage_estimator` `model` itself: a `value_model`, or a value head on `model`, would be held and saved but
+    never trained, so either is refused with the fix, and the log says that no value metrics will come."""
+    estimator = args.advantage_estimator
+    if uses_critic(estimator):
+        return with_value_function(model, value_model, args.seed, args.value_head_init)
+    check_causal_lm(model)
+    if value_model is not None or is_value_head_model(model):
+        given = "a `value_model` was given" if value_model is not None else "`model` has a value head"
+        instead = "pass `value_model=None`" if value_model is not None else "pass `model.pretrained_model`"
+        raise ValueError(
+            f"`advantage_estimator={estimator!r}` is critic-free (no value function is trained), but {given}: "
+            f"{instead}, or use `advantage_estimator='gae'` to train it."
+        )
+    logger.warning(
+        f"`advantage_estimator={estimator!r}`: critic-free, so no value model or value head is built and no value "
+        "loss runs; the logs have no `loss/value_avg` or `val/clipfrac_avg`."
+    )
+    return model
 
 
 def prepare_data(

@@ -45,11 +45,11 @@ class Rollout:
     response_mask: torch.Tensor  # [B, T] True on the tokens trained on: up to and including the stop token
     logprobs: torch.Tensor | None = None  # [B, T] log pi_old of each response token (INVALID_LOGPROB on padding)
     ref_logprobs: torch.Tensor | None = None  # [B, T] log pi_ref
-    values: torch.Tensor | None = None  # [B, T] V(s_t) before each response token (0 on padding)
+    values: torch.Tensor | None = None  # [B, T] V(s_t) before each response token (0 on padding); None: no critic
     scores: torch.Tensor | None = None  # [B] sequence-level score, EOS penalty included
     full_kl: torch.Tensor | None = None  # [B, T] exact per-token KL(pi_old || pi_ref), with kl_penalty="full"
     advantages: torch.Tensor | None = None  # [B, T] whitened GAE advantages (set for the update)
-    returns: torch.Tensor | None = None  # [B, T] value targets (set for the update)
+    returns: torch.Tensor | None = None  # [B, T] value targets (set for the update; None without a critic)
     # [B, T] True on every response token, where `step(response_masks=...)` leaves some out of `response_mask`
     # (e.g. tool output): those are attended to but not trained on. None: the same as `response_mask`.
     response_attention_mask: torch.Tensor | None = None
@@ -189,8 +189,9 @@ def sample_responses(
 # ------------------------------------------------------------------------------------ logprobs and values
 @torch.no_grad()
 def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args) -> Rollout:
-    """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout (and `full_kl` with
-    `kl_penalty="full"`), in chunks of `args.local_rollout_forward_batch_size` episodes. Returns the rollout."""
+    """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout (values None without a critic; and
+    `full_kl` with `kl_penalty="full"`), in chunks of `args.local_rollout_forward_batch_size` episodes. Returns the
+    rollout."""
     full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk of episodes at a time
     logprobs, ref_logprobs, values, full_kls = [], [], [], []
     widen = functools.partial(ppo.pad_responses, length=rollout.response_length)  # trimmed chunks back to T
@@ -208,13 +209,14 @@ def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args) -> R
             ref_output = reference_output(episodes, models, args, keep_logits=full_kl)
             for results, logprob in ((logprobs, output.logprobs), (ref_logprobs, ref_output.logprobs)):
                 results.append(widen(masked_response_logprobs(logprob, episodes), fill=ppo.INVALID_LOGPROB))
-            values.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
+            if output.values is not None:  # None without a critic (a critic-free `advantage_estimator`)
+                values.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             if full_kl:
                 exact = kl.full_kl_from_logits(output.logits, ref_output.logits)
                 full_kls.append(widen(exact.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             del output, ref_output  # one chunk of full logits alive at a time
     rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
-    rollout.values = torch.cat(values)
+    rollout.values = torch.cat(values) if values else None
     rollout.full_kl = torch.cat(full_kls) if full_kl else None
     return rollout
 

@@ -20,7 +20,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from . import data, fsdp, ppo, reporting, saving, trajectories
+from . import data, estimators, fsdp, ppo, preparation, reporting, saving, trajectories
 from . import distributed as dist
 from . import update as ppo_epochs
 from .agents.runner import agent_runner
@@ -38,7 +38,6 @@ from .models import (
     is_peft_model,
     shared_parameters,
     vocabulary_size,
-    with_value_function,
 )
 from .on_policy_trainer import OnPolicyTrainer
 from .preparation import initial_fingerprints, prepare_all_models, prepare_data, refuse_old_names, validate_inputs
@@ -106,7 +105,7 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
         rewards = validate_inputs(args, tokenizer, reward_model, reward_processing_class, environment_factory)
         given = reward_model is not None
         self.agents = agent_runner(args, tokenizer, tools, environment_factory, rewards, train_dataset, given)
-        model = with_value_function(model, value_model, args.seed, args.value_head_init)
+        model = preparation.policy_to_train(args, model, value_model)  # with its value function, unless critic-free
         datasets = prepare_data(args, tokenizer, train_dataset, eval_dataset, model, rewards, self._passed_columns())
         train_dataset, eval_dataset = datasets
         fingerprints = initial_fingerprints(model, ref_model, value_model, rewards, train_dataset)
@@ -117,7 +116,7 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
         self.model_card_dataset: str | None = None  # what the model card calls the prompts (the CLI sets it)
         self.stop_signal: str | None = None  # a SIGTERM/SIGINT that came at the end of `train()` (it finished)
         collator = data.LeftPaddingCollator(tokenizer.pad_token_id) if data_collator is None else data_collator
-        wrapper = PolicyAndValueWrapper(model, value_model)
+        wrapper = PolicyAndValueWrapper(model, value_model, estimators.uses_critic(args.advantage_estimator))
         datasets, names = (train_dataset, eval_dataset), [reward.name for reward in rewards]
         super().__init__(args, tokenizer, wrapper, *datasets, collator, callbacks, optimizers, fingerprints, names)
         self._prepare_distributed(ref_model)
@@ -192,7 +191,7 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
                 rollout.scores, scores_per_reward = self.score(rollout, batch)
                 rewards = self.compute_rewards(rollout)  # score - kl_coef * KL, per token
                 trained = self.trained_episodes(rollout)  # `truncated_episodes="mask"` leaves the truncated out
-                advantages = self.compute_advantages(trained, rewards)  # GAE
+                advantages = self.compute_advantages(trained, rewards)  # GAE, or a group estimator
                 self._write_trajectories(update, trained, rewards, advantages)  # with `trajectory_dir`
                 last = update == args.num_total_batches  # a stop then finishes the run instead
                 if not last and ckpt.stop_requested(preemption, self.accelerator):
@@ -250,8 +249,13 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
     def compute_advantages(self, rollout: Rollout, rewards: ppo.Rewards) -> ppo.Advantages:
         """GAE over the response tokens (or over the turns, `gae_level`) -> advantages (whitened) and returns, both
         `[B, T]` (decoupled or length-adaptive lambdas with `lam_value` / `length_adaptive_lam_alpha`; truncated
-        episodes bootstrapped from V with `truncated_episodes="bootstrap"`)."""
+        episodes bootstrapped from V with `truncated_episodes="bootstrap"`). A critic-free `advantage_estimator`:
+        its group estimate over each run of `num_generations` episodes instead, and no returns (`estimators`)."""
         args, mask, token_rewards = self.args, rollout.response_mask, rewards.rewards
+        if not estimators.uses_critic(args.advantage_estimator):
+            returns = estimators.episode_returns(rewards.shaped_scores, rollout.turn_rewards)
+            return estimators.group_advantages(args.advantage_estimator, returns, rewards.non_score_rewards, mask,
+                                               args.num_generations, args.scale_rewards)
         if args.truncated_episodes == "bootstrap" and rollout.truncated is not None:
             token_rewards = ppo.bootstrap_truncated_rewards(token_rewards, rollout.values, mask, rollout.truncated,
                                                             args.gamma)
@@ -385,6 +389,7 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
             lr=self.lr_scheduler.get_last_lr()[0],
             report_shaped_scores=args.use_score_scaling or args.score_clip is not None,
             skipped_updates=self.run.skipped_updates if args.skip_nonfinite_updates else None,
+            num_generations=args.num_generations,
         )
 
     # ---------------------------------------------------------------------------------------------- saving

@@ -4,12 +4,13 @@ can be debugged and tested on CPU (`trl-ppo trajectories FILE`).
 
 One line per episode: the update, the process (`rank`), the prompt and response ids, `model_mask` (1 on the model's
 own tokens, 0 on tool answers), the first token of each model turn (`turn_starts`), the per-turn rewards, the score,
-whether the episode was cut by the budget (`truncated`; with `truncated_episodes="bootstrap"` the recomputation adds
-the bootstrap term to the logged `rewards`, which are before it) and the per-token `rewards`, `logprobs`,
-`ref_logprobs`, `values`, `advantages` and `returns` (over the response up to its last attended token), the settings
-the advantages used, and, with a tokenizer, the text of each model turn and tool answer (`segments`). Each process
-appends to its own file, `trajectories-<rank>.jsonl`: the advantages are whitened over one process's episodes, so
-one file's update recomputes alone.
+the score as the rewards used it (`shaped_score`), whether the episode was cut by the budget (`truncated`; with
+`truncated_episodes="bootstrap"` the recomputation adds the bootstrap term to the logged `rewards`, which are before
+it) and the per-token `rewards`, `non_score_rewards` (the KL penalty), `logprobs`, `ref_logprobs`, `values`,
+`advantages` and `returns` (over the response up to its last attended token; `values` and `returns` null without a
+critic), the settings the advantages used, and, with a tokenizer, the text of each model turn and tool answer
+(`segments`). Each process appends to its own file, `trajectories-<rank>.jsonl`: the advantages are whitened (and
+the groups of a critic-free estimator kept) within one process's episodes, so one file's update recomputes alone.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import losses, ppo
+from . import estimators, losses, ppo
 from .rollout import Rollout
 
 # The settings a recomputation needs, read from the config and written on every line.
 SETTINGS = ("gamma", "lam", "lam_value", "length_adaptive_lam_alpha", "gae_level", "cliprange", "cliprange_value",
-            "loss_agg_mode", "truncated_episodes")  # fmt: skip
+            "loss_agg_mode", "truncated_episodes", "advantage_estimator", "num_generations",
+            "scale_rewards")  # fmt: skip
 
 
 def trajectory_file(directory: str, rank: int) -> str:
@@ -41,14 +43,14 @@ def episode_records(
     update: int, rank: int, rollout: Rollout, rewards: ppo.Rewards, advantages: ppo.Advantages, args, tokenizer=None
 ) -> list[dict]:
     """One JSON-ready dict per episode of an update (see the module's docstring)."""
-    settings = {name: getattr(args, name) for name in SETTINGS}
+    settings = {name: getattr(args, name, None) for name in SETTINGS}  # None: a setting the config lacks
     mask, attended = rollout.response_mask.cpu(), rollout.attended_responses.cpu()
     lengths = (attended.long().cumsum(-1).argmax(-1) + 1).masked_fill(~attended.any(-1), 0).tolist()
     starts = ppo.turn_starts(rollout.response_mask).cpu()
     per_token = {
-        name: getattr(source, name).detach().float().cpu()
+        name: None if getattr(source, name) is None else getattr(source, name).detach().float().cpu()
         for source, names in ((rollout, ("logprobs", "ref_logprobs", "values")),
-                              (rewards, ("rewards",)), (advantages, ("advantages", "returns")))
+                              (rewards, ("rewards", "non_score_rewards")), (advantages, ("advantages", "returns")))
         for name in names
     }  # fmt: skip
     records = []
@@ -60,9 +62,10 @@ def episode_records(
         record["turn_starts"] = starts[i].nonzero().flatten().tolist()
         record["turn_rewards"] = None if rollout.turn_rewards is None else rollout.turn_rewards[i].tolist()
         record["score"] = None if rollout.scores is None else float(rollout.scores[i])
+        record["shaped_score"] = float(rewards.shaped_scores[i])
         record["truncated"] = None if rollout.truncated is None else bool(rollout.truncated[i])
-        for name in ("rewards", "logprobs", "ref_logprobs", "values", "advantages", "returns"):
-            record[name] = _row(per_token[name][i], length)
+        for name in ("rewards", "non_score_rewards", "logprobs", "ref_logprobs", "values", "advantages", "returns"):
+            record[name] = None if per_token[name] is None else _row(per_token[name][i], length)
         if tokenizer is not None:
             record["segments"] = segments(record["response_ids"], record["model_mask"], tokenizer)
         records.append(record | {"settings": settings})
@@ -103,18 +106,41 @@ def read_updates(path: str) -> dict[int, list[dict]]:
 @dataclass
 class Recomputed:
     """An update recomputed from its records: `[B, T]` tensors (zero outside the model's tokens) and the losses
-    at the update's start (new policy and values = the rollout's: ratio 1)."""
+    at the update's start (new policy and values = the rollout's: ratio 1). Without a critic (a critic-free
+    `advantage_estimator`) there are no returns and no value loss: None."""
 
     mask: torch.Tensor
     advantages: ppo.Advantages
     logged_advantages: torch.Tensor
-    logged_returns: torch.Tensor
+    logged_returns: torch.Tensor | None
     policy_loss: torch.Tensor
-    value_loss: torch.Tensor
+    value_loss: torch.Tensor | None
 
 
-def _padded(records: list[dict], name: str, width: int, dtype=torch.float32) -> torch.Tensor:
+def _padded(records: list[dict], name: str, width: int, dtype=torch.float32) -> torch.Tensor | None:
+    if records[0].get(name) is None:  # `values` and `returns` without a critic
+        return None
     return torch.tensor([r[name] + [0] * (width - len(r[name])) for r in records], dtype=dtype)
+
+
+def recompute_advantages(records: list[dict], mask: torch.Tensor) -> ppo.Advantages:
+    """The advantages (and returns) of one update's records, with the estimator and settings written with them:
+    GAE from the logged rewards and values, or a group estimator from the shaped scores, per-turn rewards and KL
+    rewards (`estimators.group_advantages`; records of an older trl_ppo are GAE's)."""
+    settings, width = records[0]["settings"], mask.size(1)
+    estimator = settings.get("advantage_estimator", "gae")
+    if not estimators.uses_critic(estimator):
+        shaped = torch.tensor([r["shaped_score"] for r in records])
+        turns = None if records[0]["turn_rewards"] is None else torch.tensor([r["turn_rewards"] for r in records])
+        returns = estimators.episode_returns(shaped, turns)
+        kl_rewards, group_size = _padded(records, "non_score_rewards", width), settings["num_generations"]
+        return estimators.group_advantages(estimator, returns, kl_rewards, mask, group_size, settings["scale_rewards"])
+    rewards, values = _padded(records, "rewards", width), _padded(records, "values", width)
+    if settings.get("truncated_episodes") == "bootstrap":  # the logged rewards are before the bootstrap term
+        truncated = torch.tensor([bool(r.get("truncated")) for r in records])
+        rewards = ppo.bootstrap_truncated_rewards(rewards, values, mask, truncated, settings["gamma"])
+    lambdas = (settings["lam"], settings["lam_value"], settings["length_adaptive_lam_alpha"])
+    return ppo.advantages_and_returns(rewards, values, mask, settings["gamma"], *lambdas, settings["gae_level"])
 
 
 def recompute(records: list[dict]) -> Recomputed:
@@ -123,17 +149,15 @@ def recompute(records: list[dict]) -> Recomputed:
     settings = records[0]["settings"]
     width = records[0]["response_length"]
     mask = _padded(records, "model_mask", width, torch.bool)
-    rewards, values = _padded(records, "rewards", width), _padded(records, "values", width)
-    if settings.get("truncated_episodes") == "bootstrap":  # the logged rewards are before the bootstrap term
-        truncated = torch.tensor([bool(r.get("truncated")) for r in records])
-        rewards = ppo.bootstrap_truncated_rewards(rewards, values, mask, truncated, settings["gamma"])
-    lambdas = (settings["lam"], settings["lam_value"], settings["length_adaptive_lam_alpha"])
-    advantages = ppo.advantages_and_returns(rewards, values, mask, settings["gamma"], *lambdas, settings["gae_level"])
+    advantages = recompute_advantages(records, mask)
     aggregate = losses.LossAggregation(settings["loss_agg_mode"], None, width)
-    logprobs = _padded(records, "logprobs", width)
+    logprobs, values = _padded(records, "logprobs", width), _padded(records, "values", width)
     pg_loss, _ = losses.policy_loss(logprobs, logprobs, advantages.advantages, mask, settings["cliprange"],
                                     aggregate=aggregate)  # fmt: skip
-    vf_loss, _ = losses.value_loss(values, values, advantages.returns, mask, settings["cliprange_value"], aggregate)
+    vf_loss = None
+    if values is not None:
+        vf_loss, _ = losses.value_loss(values, values, advantages.returns, mask, settings["cliprange_value"],
+                                       aggregate)  # fmt: skip
     logged = (_padded(records, "advantages", width), _padded(records, "returns", width))
     return Recomputed(mask, advantages, *logged, pg_loss, vf_loss)
 
@@ -156,6 +180,10 @@ def trajectories_command(argv: list[str]) -> None:
     for update, records in sorted(updates.items()):
         again = recompute(records)
         d_adv = (again.advantages.advantages - again.logged_advantages).abs().max().item()
-        d_ret = (again.advantages.returns - again.logged_returns).abs().max().item()
-        print(f"{update:6d}  {len(records):8d}  {d_adv:7.1e}  {d_ret:7.1e}  {again.policy_loss.item():11.4g}  "
-              f"{again.value_loss.item():10.4g}")  # fmt: skip
+        if again.value_loss is None:  # no critic: no returns, no value loss
+            d_ret, value_loss = "      -", "         -"
+        else:
+            d_ret = f"{(again.advantages.returns - again.logged_returns).abs().max().item():7.1e}"
+            value_loss = f"{again.value_loss.item():10.4g}"
+        print(f"{update:6d}  {len(records):8d}  {d_adv:7.1e}  {d_ret}  {again.policy_loss.item():11.4g}  "
+              f"{value_loss}")  # fmt: skip

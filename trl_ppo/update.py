@@ -219,7 +219,7 @@ def pass_backward(
     stats, loss = defaultdict(list), 0.0
     for part in chunks(episodes.queries.size(0), args.per_device_train_batch_size):
         micro = episodes.select(part)
-        new = (new_logprobs[part], output.values[part], output.entropy[part])
+        new = (new_logprobs[part], None if output.values is None else output.values[part], output.entropy[part])
         micro_loss, micro_stats = micro_batch_loss(micro, *new, args, aggregation, critic_only)
         loss = loss + micro_loss
         for key, value in micro_stats.items():
@@ -242,26 +242,27 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's loss on one micro-batch as the config composes it: the clipped policy loss (clip-higher, dual-clip),
     the entropy bonus and the KL loss (kept in the graph but weighted 0 while `critic_only`), plus `vf_coef` times
-    the clipped value loss, each reduced by `aggregation`. new_logprobs, new_values, entropy `[b, T]`: the update's
-    forward. -> (its share of the minibatch's loss, its stats: 0-d tensors, losses as this micro-batch's own)."""
+    the clipped value loss (none without a critic: `new_values` None), each reduced by `aggregation`.
+    new_logprobs, new_values, entropy `[b, T]`: the update's forward. -> (its share of the minibatch's loss, its
+    stats: 0-d tensors, losses as this micro-batch's own)."""
     mask = micro.response_mask
     low, high = clipranges(args)
     pg_loss, pg_stats = losses.policy_loss(
         new_logprobs, micro.logprobs, micro.advantages, mask, low, high, args.dual_clip, aggregation
-    )
-    vf_loss, vf_stats = losses.value_loss(
-        new_values, micro.values, micro.returns, mask, args.cliprange_value, aggregation
     )
     own = aggregation.normaliser / losses.aggregation_count(mask, aggregation.mode).clamp(min=1)
     stats = {
         "policy/approxkl_avg": pg_stats["approxkl"],
         "policy/clipfrac_avg": pg_stats["clipfrac"],
         "loss/policy_avg": pg_loss.detach() * own,
-        "loss/value_avg": vf_loss.detach() * own,
-        "val/clipfrac_avg": vf_stats["clipfrac"],
-        "policy/entropy_avg": ppo.masked_mean(entropy.detach(), mask),
-        "val/ratio": pg_stats["ratio"],
     }
+    vf_loss = 0.0
+    if new_values is not None:
+        vf_loss, vf_stats = losses.value_loss(
+            new_values, micro.values, micro.returns, mask, args.cliprange_value, aggregation
+        )
+        stats |= {"loss/value_avg": vf_loss.detach() * own, "val/clipfrac_avg": vf_stats["clipfrac"]}
+    stats |= {"policy/entropy_avg": ppo.masked_mean(entropy.detach(), mask), "val/ratio": pg_stats["ratio"]}
     for name in ("clipfrac_low", "clipfrac_high", "dual_clipfrac"):
         if name in pg_stats:
             stats[f"policy/{name}_avg"] = pg_stats[name]
@@ -296,15 +297,20 @@ def detailed_stats(micro: Rollout, new_logprobs: torch.Tensor, new_values: torch
     tokens (1-D, `TOKEN_STATS`). new_logprobs, new_values `[b, T]`: the update's forward."""
     mask = micro.response_mask
     log_ratio = new_logprobs - micro.logprobs
-    return {
+    stats = {
         "policy/policykl": ppo.masked_mean(-log_ratio, mask),
         "policy/advantages_mean": ppo.masked_mean(micro.advantages, mask),
-        "val/vpred": ppo.masked_mean(new_values, mask),
-        "val/error": ppo.masked_mean((new_values - micro.returns) ** 2, mask),
-        "returns/mean": ppo.masked_mean(micro.returns, mask),
-        "returns/var": ppo.masked_var(micro.returns, mask),
-        "val/mean": ppo.masked_mean(micro.values, mask),
-        "val/var": ppo.masked_var(micro.values, mask),
+    }
+    if new_values is not None:  # without a critic, no value statistics of nothing
+        stats |= {
+            "val/vpred": ppo.masked_mean(new_values, mask),
+            "val/error": ppo.masked_mean((new_values - micro.returns) ** 2, mask),
+            "returns/mean": ppo.masked_mean(micro.returns, mask),
+            "returns/var": ppo.masked_var(micro.returns, mask),
+            "val/mean": ppo.masked_mean(micro.values, mask),
+            "val/var": ppo.masked_var(micro.values, mask),
+        }
+    return stats | {
         "policy/advantages": micro.advantages[mask].float(),
         "policy/ratio": torch.exp(log_ratio)[mask].float(),
     }

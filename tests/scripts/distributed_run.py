@@ -32,7 +32,9 @@ from trl_ppo.default_job import build_tiny_models, build_word_tokenizer, default
 @dataclass
 class RunArgs:
     report_dir: str = field(metadata={"help": "Where each process writes its report and weights."})
-    value: str = field(default="separate", metadata={"help": "'separate' value model, or a value 'head'."})
+    value: str = field(
+        default="separate", metadata={"help": "'separate' value model, a value 'head', or 'none' (critic-free)."}
+    )
     final_model_dir: str | None = field(default=None, metadata={"help": "`save_model()` here after training."})
 
 
@@ -124,7 +126,7 @@ def output_dtypes(trainer) -> dict:
         output = models.wrapper(*inputs)
         reference = root_call(models.ref_model, response_logprobs, *inputs)
     tensors = {"logprobs": output.logprobs, "values": output.values, "ref": reference.logprobs}
-    return {name: str(tensor.dtype) for name, tensor in tensors.items()}
+    return {name: str(tensor.dtype) for name, tensor in tensors.items() if tensor is not None}  # no values: no critic
 
 
 def main() -> None:
@@ -132,7 +134,7 @@ def main() -> None:
     tokenizer = build_word_tokenizer()
     policy, value_model = build_tiny_models(tokenizer, hidden_size=64, seed=0)
     _, reward_model = build_tiny_models(tokenizer, hidden_size=64, seed=1)
-    if run_args.value == "head":
+    if run_args.value in ("head", "none"):
         value_model = None
     initial = {f"policy.{k}": v.clone() for k, v in policy.state_dict().items()}
     if value_model is not None:

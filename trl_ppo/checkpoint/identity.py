@@ -32,6 +32,12 @@ CHECKPOINT_WINS = {"learning_rate": "the optimizer and scheduler states", "kl_co
 SCHEDULE = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "total_episodes")
 # Settings whose change would put the saved position into another data order: prompts seen would be drawn again.
 DATA_ORDER = ("data_seed",)
+# Settings that choose how the advantages are estimated: a change makes it another algorithm (refused), and why.
+ESTIMATOR = {
+    "advantage_estimator": "another estimator of the advantages, with or without a critic",
+    "num_generations": "other groups of samples per prompt, and another order of the prompts",
+    "scale_rewards": "GRPO's advantages scaled another way",
+}
 # `TrainingArguments` fields worth comparing on resume (the others are paths, hub and hardware settings).
 TRAINING_FIELDS = (
     "learning_rate",
@@ -85,6 +91,8 @@ def config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
             refused.append(f"{line} (the restored schedule would be spliced with another)")
         elif name in DATA_ORDER:
             refused.append(f"{line} (the saved position would point into another shuffled order of the prompts)")
+        elif name in ESTIMATOR:
+            refused.append(f"{line} ({ESTIMATOR[name]}: another algorithm; start a new run to change it)")
         elif name in CHECKPOINT_WINS:
             allowed.append(f"{line} -> uses {old!r}, restored with {CHECKPOINT_WINS[name]}")
         else:
