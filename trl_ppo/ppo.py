@@ -1,5 +1,5 @@
 """The PPO math for language models, as small pure tensor functions (no models, no I/O): token masks, the
-KL-shaped rewards, score shaping and GAE. The masked statistics (mean, variance, whitening)
+KL-shaped rewards, score shaping and GAE. The masked statistics (mean, variance, whitening, explained variance)
 are in `statistics.py` (and importable from here), the KL estimators in `kl.py`, the losses in `losses.py`.
 
 Shapes: `B` episodes, `T` response tokens. A response mask is a bool tensor `[B, T]` that is True on the
