@@ -271,7 +271,8 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
         if self.args.trajectory_dir is None:
             return
         rank, tokenizer = self.accelerator.process_index, self.processing_class
-        records = trajectories.episode_records(update, rank, rollout, rewards, advantages, self.args, tokenizer)
+        played = self.agents.episodes if self.agents is not None and rollout.turn_rewards is not None else None
+        records = trajectories.episode_records(update, rank, rollout, rewards, advantages, self.args, tokenizer, played)
         trajectories.write_update(self.args.trajectory_dir, rank, records)
 
     def ppo_update(

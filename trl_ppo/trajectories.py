@@ -7,9 +7,11 @@ own tokens, 0 on tool answers), the first token of each model turn (`turn_starts
 whether the episode was cut by the budget (`truncated`; with `truncated_episodes="bootstrap"` the recomputation adds
 the bootstrap term to the logged `rewards`, which are before it) and the per-token `rewards`, `logprobs`,
 `ref_logprobs`, `values`, `advantages` and `returns` (over the response up to its last attended token), the settings
-the advantages used, and, with a tokenizer, the text of each model turn and tool answer (`segments`). Each process
-appends to its own file, `trajectories-<rank>.jsonl`: the advantages are whitened over one process's episodes, so
-one file's update recomputes alone.
+the advantages used; with a tokenizer, the prompt's text (`prompt`), the text of each model turn and tool answer
+(`segments`) and that of each response token (`tokens`); in a run with tools or environments, the episode's
+`tool_calls` and `tool_errors`. Each process appends to its own file, `trajectories-<rank>.jsonl`: the advantages are
+whitened over one process's episodes, so one file's update recomputes alone. `trl-ppo trajectories view` shows them
+in a browser (`viewer.py`).
 """
 
 from __future__ import annotations
@@ -38,9 +40,17 @@ def _row(values: torch.Tensor, length: int) -> list:
 
 
 def episode_records(
-    update: int, rank: int, rollout: Rollout, rewards: ppo.Rewards, advantages: ppo.Advantages, args, tokenizer=None
+    update: int,
+    rank: int,
+    rollout: Rollout,
+    rewards: ppo.Rewards,
+    advantages: ppo.Advantages,
+    args,
+    tokenizer=None,
+    agent_episodes: list | None = None,
 ) -> list[dict]:
-    """One JSON-ready dict per episode of an update (see the module's docstring)."""
+    """One JSON-ready dict per episode of an update (see the module's docstring). agent_episodes: the multi-turn
+    episodes the rows were played from (`agents.turn_loop.Episode`, one per row), for their tool counts."""
     settings = {name: getattr(args, name) for name in SETTINGS}
     mask, attended = rollout.response_mask.cpu(), rollout.attended_responses.cpu()
     lengths = (attended.long().cumsum(-1).argmax(-1) + 1).masked_fill(~attended.any(-1), 0).tolist()
@@ -64,7 +74,11 @@ def episode_records(
         for name in ("rewards", "logprobs", "ref_logprobs", "values", "advantages", "returns"):
             record[name] = _row(per_token[name][i], length)
         if tokenizer is not None:
+            record["prompt"] = tokenizer.decode(query)
             record["segments"] = segments(record["response_ids"], record["model_mask"], tokenizer)
+            record["tokens"] = token_texts(record["response_ids"], tokenizer)
+        if agent_episodes is not None:
+            record["tool_calls"], record["tool_errors"] = agent_episodes[i].tool_calls, agent_episodes[i].tool_errors
         records.append(record | {"settings": settings})
     return records
 
@@ -80,6 +94,18 @@ def segments(response_ids: list[int], model_mask: list[int], tokenizer) -> list[
     return [{"role": "model" if flag else "tool", "text": tokenizer.decode(ids)} for flag, ids in runs]
 
 
+def token_texts(ids: list[int], tokenizer, context: int = 4) -> list[str]:
+    """The text each token adds to the decoded ids, to show them one by one: the decoding of the token with up to
+    `context` tokens before it, less that of those tokens alone (a SentencePiece token decoded alone loses its
+    leading space). A token that ends inside a multi-byte character shows as the replacement character."""
+    texts = []
+    for i in range(len(ids)):
+        start = max(0, i - context)
+        before, both = tokenizer.decode(ids[start:i]), tokenizer.decode(ids[start : i + 1])
+        texts.append(both[len(os.path.commonprefix([before, both])) :])
+    return texts
+
+
 def write_update(directory: str, rank: int, records: list[dict]) -> None:
     """Append one update's records to this process's file (the folder is made when missing)."""
     os.makedirs(directory, exist_ok=True)
@@ -87,16 +113,26 @@ def write_update(directory: str, rank: int, records: list[dict]) -> None:
         file.writelines(json.dumps(record) + "\n" for record in records)
 
 
-def read_updates(path: str) -> dict[int, list[dict]]:
-    """{update: its episodes' records, in order} from one process's file."""
-    updates = defaultdict(list)
+def iter_records(path: str, required: tuple[str, ...] = ("update",)):
+    """The records of one process's file, one at a time, each checked to be a JSON object with the `required`
+    fields (an error names the line)."""
     with open(path, encoding="utf-8") as file:
         for number, line in enumerate(file, 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}, line {number}: not a JSON trajectory record ({error.msg}).") from None
-            updates[record["update"]].append(record)
+            missing = [name for name in required if name not in record] if isinstance(record, dict) else required
+            if missing:
+                raise ValueError(f"{path}, line {number}: not a trajectory record (it has no {', '.join(missing)}).")
+            yield record
+
+
+def read_updates(path: str) -> dict[int, list[dict]]:
+    """{update: its episodes' records, in order} from one process's file."""
+    updates = defaultdict(list)
+    for record in iter_records(path):
+        updates[record["update"]].append(record)
     return dict(updates)
 
 
@@ -113,7 +149,8 @@ class Recomputed:
     value_loss: torch.Tensor
 
 
-def _padded(records: list[dict], name: str, width: int, dtype=torch.float32) -> torch.Tensor:
+def padded_rows(records: list[dict], name: str, width: int, dtype=torch.float32) -> torch.Tensor:
+    """The records' per-token field `name` as a `[B, width]` tensor, each row right-padded with 0."""
     return torch.tensor([r[name] + [0] * (width - len(r[name])) for r in records], dtype=dtype)
 
 
@@ -122,19 +159,19 @@ def recompute(records: list[dict]) -> Recomputed:
     and the settings written with them (no model, no sampling)."""
     settings = records[0]["settings"]
     width = records[0]["response_length"]
-    mask = _padded(records, "model_mask", width, torch.bool)
-    rewards, values = _padded(records, "rewards", width), _padded(records, "values", width)
+    mask = padded_rows(records, "model_mask", width, torch.bool)
+    rewards, values = padded_rows(records, "rewards", width), padded_rows(records, "values", width)
     if settings.get("truncated_episodes") == "bootstrap":  # the logged rewards are before the bootstrap term
         truncated = torch.tensor([bool(r.get("truncated")) for r in records])
         rewards = ppo.bootstrap_truncated_rewards(rewards, values, mask, truncated, settings["gamma"])
     lambdas = (settings["lam"], settings["lam_value"], settings["length_adaptive_lam_alpha"])
     advantages = ppo.advantages_and_returns(rewards, values, mask, settings["gamma"], *lambdas, settings["gae_level"])
     aggregate = losses.LossAggregation(settings["loss_agg_mode"], None, width)
-    logprobs = _padded(records, "logprobs", width)
+    logprobs = padded_rows(records, "logprobs", width)
     pg_loss, _ = losses.policy_loss(logprobs, logprobs, advantages.advantages, mask, settings["cliprange"],
                                     aggregate=aggregate)  # fmt: skip
     vf_loss, _ = losses.value_loss(values, values, advantages.returns, mask, settings["cliprange_value"], aggregate)
-    logged = (_padded(records, "advantages", width), _padded(records, "returns", width))
+    logged = (padded_rows(records, "advantages", width), padded_rows(records, "returns", width))
     return Recomputed(mask, advantages, *logged, pg_loss, vf_loss)
 
 
@@ -144,7 +181,9 @@ def trajectories_command(argv: list[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="trl-ppo trajectories", description="Recompute advantages and losses from a trajectory file."
+        prog="trl-ppo trajectories",
+        description="Recompute advantages and losses from a trajectory file (`trl-ppo trajectories view PATH` draws "
+        "a run's episodes as a web page).",
     )
     parser.add_argument("file", help="A `trajectories-<rank>.jsonl` written with `--trajectory_dir`.")
     path = parser.parse_args(argv).file
