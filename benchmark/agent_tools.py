@@ -101,7 +101,7 @@ def ppo_trainer(spec: dict, tokenizer, policy, dataset_rows: list[tuple[int, int
 
     from trl_ppo import PPOConfig, PPOTrainer
 
-    rl, tools = spec["rl"], uses_tools(spec["config"])
+    rl, run, tools = spec["rl"], f"{spec['config']}-{spec['seed']}", uses_tools(spec["config"])
     batch = rl["per_device_train_batch_size"] * rl["gradient_accumulation_steps"]
     config = PPOConfig(
         **common_args(spec),
@@ -119,6 +119,7 @@ def ppo_trainer(spec: dict, tokenizer, policy, dataset_rows: list[tuple[int, int
         gae_level=rl.get("gae_level", "token"),
         local_rollout_forward_batch_size=batch,
         num_sample_generations=0,
+        trajectory_dir=spec.get("trajectory_dir") and os.path.join(spec["trajectory_dir"], run),
     )
     columns = {"product": [a * b for a, b in dataset_rows]}
     if tools:
@@ -271,6 +272,8 @@ def parse_args():
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
     parser.add_argument("--held_out", type=int, default=100, help="Held-out problems evaluated before and after.")
     parser.add_argument("--smoke", action="store_true", help="CI form: tiny SFT, 1 update, 1 seed, every config.")
+    parser.add_argument("--trajectory_dir", help="Write each PPO run's episodes to DIR/<config>-<seed> "
+                        "(`trl-ppo trajectories view` draws them).")  # fmt: skip
     return parser.parse_args()
 
 
@@ -290,7 +293,8 @@ def main() -> None:
     start = time.perf_counter()
     sft_path = task.train_sft(task.build_tokenizer(), task.split_problems()[1], sft, cli.output_dir, log=log)
     log(f"SFT policy in {sft_path} ({time.perf_counter() - start:.0f}s)")
-    spec = dict(rl=rl, sft=dataclasses.asdict(sft), sft_path=sft_path, output_dir=cli.output_dir, smoke=cli.smoke)
+    spec = dict(rl=rl, sft=dataclasses.asdict(sft), sft_path=sft_path, output_dir=cli.output_dir, smoke=cli.smoke,
+                trajectory_dir=cli.trajectory_dir)  # fmt: skip
     spec.update(threads=cli.threads, prompts=NUM_PROMPTS, held_out=held_out)
 
     def describe(row: dict) -> str:

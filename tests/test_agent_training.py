@@ -11,6 +11,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from trl_ppo import PPOTrainer
+from trl_ppo import metrics as metrics_module
+from trl_ppo import trainer as trainer_module
 from trl_ppo.agents import runner as agent_runner_module
 from trl_ppo.agents.chat import has_parsing_api
 from trl_ppo.agents.runner import AgentRunner
@@ -109,12 +111,18 @@ def test_train_plays_multi_turn_episodes_with_tools_and_environments(make_config
         seen.append((prompts, completions, environments))
         return [1.0 if "42." in completion else 0.0 for completion in completions]
 
+    def critic_metrics(*args):  # the critic's explained variance is asked per turn, up to max_turns
+        per_turn.append(args[-1])
+        return metrics_module.critic_metrics(*args)
+
+    per_turn = []
     monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted_sampler(tool_tokenizer))
+    monkeypatch.setattr(trainer_module, "critic_metrics", critic_metrics)
     trainer = agent_trainer(make_config, tool_tokenizer, says_42)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry]
-    assert len(logs) == 2
+    assert len(logs) == 2 and per_turn == [3, 3]
     for entry in logs:
         assert entry["env/turns_mean"] == 3 and entry["env/tool_calls_mean"] == 2
         assert entry["env/tool_errors"] == 0 and entry["env/truncated_frac"] == 0
@@ -122,6 +130,7 @@ def test_train_plays_multi_turn_episodes_with_tools_and_environments(make_config
         assert entry["objective/scores/says_42"] == 1.0 and entry["objective/scores/environment"] == 0.5
         assert math.isclose(entry["objective/scores"], 1.5, abs_tol=1e-6)
         assert all(math.isfinite(v) for v in entry.values() if isinstance(v, float))
+        assert entry["val/explained_variance"] <= 1
     prompts, completions, environments = seen[0]
     assert [environment.bought for environment in environments] == [["apple"]] * 2
     assert "You have" in prompts[0] and '"name": "multiply"' in prompts[0]  # reset's text, and the tools shown

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from trl_ppo import kl, losses, ppo
+from trl_ppo.metrics import critic_metrics
+from trl_ppo.statistics import explained_variance
 
 T, F = True, False
 
@@ -32,6 +34,56 @@ def test_whitening_a_single_token_gives_zero_not_nan():
     """A batch whose only response is one stop token must not crash or poison training with NaN."""
     assert ppo.masked_var(torch.tensor([1.0, 2.0]), torch.tensor([T, F])) == 0
     assert ppo.masked_whiten(torch.tensor([[3.0, 0.0]]), torch.tensor([[T, F]]))[0, 0] == 0
+
+
+def test_explained_variance_by_hand():
+    # Two episodes; the masked-out positions hold numbers that would change every result below if they counted.
+    returns = torch.tensor([[1.0, 2.0, 50.0], [3.0, 6.0, -9.0]])
+    values = torch.tensor([[1.0, 1.0, -7.0], [2.0, 5.0, 30.0]])
+    mask = torch.tensor([[T, T, F], [T, T, F]])
+    # returns 1, 2, 3, 6: mean 3, squared deviations 4 + 1 + 0 + 9 = 14, Var 14/3 (Bessel).
+    # returns - values 0, 1, 1, 1: mean 3/4, squared deviations 9/16 + 3 * 1/16 = 3/4, Var 1/4.
+    close(explained_variance(values, returns, mask), 1 - (1 / 4) / (14 / 3))  # = 53/56 ~ 0.946
+    close(explained_variance(returns, returns, mask), 1.0)  # a perfect critic
+    close(explained_variance(torch.full_like(returns, 3.0), returns, mask), 0.0)  # the returns' mean: explains none
+    close(explained_variance(6.0 - returns, returns, mask), -3.0)  # mirrored: residuals 2(G - 3), Var 4 x 14/3
+    assert math.isnan(explained_variance(values, torch.full_like(returns, 0.7), mask))  # equal returns: undefined
+    assert math.isnan(explained_variance(values, returns, torch.tensor([[T, F, F], [F, F, F]])))  # one token
+    assert math.isnan(explained_variance(values, returns, torch.zeros_like(mask)))
+
+
+class OneProcess:
+    def gather(self, tensor):
+        return tensor
+
+
+class TwoProcesses:
+    """The second process's batch explains nothing (EV 0 everywhere) and has no third turn."""
+
+    def gather(self, tensor):
+        other = torch.zeros_like(tensor)
+        other[0, -1] = float("nan")
+        return torch.cat([tensor, other])
+
+
+def test_critic_metrics_per_turn_index():
+    # Episode 0: turns at tokens 0-1 and 3-4 (a tool answer at 2); episode 1: turns at 0, 2 and 4.
+    mask = torch.tensor([[T, T, F, T, T], [T, F, T, F, T]])
+    returns = torch.tensor([[1.0, 3.0, 0.0, 2.0, 4.0], [5.0, 0.0, 6.0, 0.0, 7.0]])
+    values = torch.tensor([[1.0, 2.0, 9.0, 2.0, 4.0], [4.0, 9.0, 6.0, 9.0, 7.0]])
+    metrics = critic_metrics(values, returns, mask, OneProcess(), turns=4)
+    # Turn 1: returns 1, 3, 5 (Var 4), residuals 0, 1, 1 (Var 1/3). Turn 2: returns 2, 4, 6 = values: 1.
+    # Turn 3: one token, undefined; turn 4: none: both left out.
+    assert set(metrics) == {"val/explained_variance", "val/explained_variance/turn_1", "val/explained_variance/turn_2"}
+    close(metrics["val/explained_variance/turn_1"], 1 - (1 / 3) / 4)
+    close(metrics["val/explained_variance/turn_2"], 1.0)
+    close(metrics["val/explained_variance"], explained_variance(values, returns, mask))
+    assert set(critic_metrics(values, returns, mask, OneProcess())) == {"val/explained_variance"}  # one turn
+    # Over processes: the mean where defined (the last name is undefined on the second process only).
+    two = critic_metrics(values, returns, mask, TwoProcesses(), turns=2)
+    close(two["val/explained_variance"], metrics["val/explained_variance"] / 2)
+    close(two["val/explained_variance/turn_1"], metrics["val/explained_variance/turn_1"] / 2)
+    close(two["val/explained_variance/turn_2"], 1.0)
 
 
 def test_kl_estimators():

@@ -210,7 +210,7 @@ def test_closing_im_end_is_trained_on_counted_once_and_where_the_score_lands(smo
         assert score_part[row].abs().sum() == pytest.approx(1.0)  # only there
     advantages = trainer.compute_advantages(rollout, rewards)
     stats = trainer.ppo_update(rollout, advantages).stats
-    metrics = trainer._update_metrics(rollout, rewards, stats, per_reward)
+    metrics = trainer._update_metrics(rollout, rewards, stats, per_reward, rollout, advantages)
     assert metrics["val/num_eos_tokens"] == len(stopped)  # one per response that stopped, padding not counted
     assert metrics["val/missing_stop_token_frac"] == pytest.approx(1 - len(stopped) / rollout.responses.size(0))
 

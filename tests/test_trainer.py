@@ -111,6 +111,8 @@ def test_two_updates_train_policy_and_value_and_log_every_metric(make_config, to
     for name in PPO_METRICS:
         assert all(math.isfinite(entry[name]) for entry in logs), name
     assert logs[-1]["episode"] == 16
+    assert all(entry["val/explained_variance"] <= 1 for entry in logs)  # the critic's, one turn: no per-turn names
+    assert not any(key.startswith("val/explained_variance/") for entry in logs for key in entry)
 
 
 def test_peft_trains_only_the_adapter_without_a_ref_model(make_config, tokenizer, load_models, prompt_dataset):

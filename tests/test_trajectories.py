@@ -46,6 +46,9 @@ def test_a_run_writes_its_episodes_and_their_advantages_recompute_exactly(writte
     assert record["score"] == pytest.approx(1.5)  # says_42 and the environment's 0.5
     assert [segment["role"] for segment in record["segments"]] == ["model", "tool", "model", "tool", "model"]
     assert "multiply" in record["segments"][0]["text"] and "42" in record["segments"][1]["text"]
+    assert "".join(record["tokens"]) == "".join(segment["text"] for segment in record["segments"])  # one per token
+    assert len(record["tokens"]) == len(record["response_ids"]) and "multiply" in record["prompt"]
+    assert (record["tool_calls"], record["tool_errors"]) == (2, 0)
     assert record["settings"]["gae_level"] == "turn"
     for records in updates.values():
         again = trajectories.recompute(records)
@@ -96,6 +99,17 @@ def test_records_of_a_rollout_read_back_and_recompute_exactly(tmp_path, capsys):
     broken.write_text(json.dumps({"update": 1}) + "\n{not json\n")
     with pytest.raises(SystemExit, match="broken.jsonl, line 2: not a JSON trajectory record"):
         main(["trajectories", str(broken)])
+
+
+def test_each_token_keeps_the_space_before_it():
+    """A word-level tokenizer (like SentencePiece) drops a word's leading space when the word is decoded alone: the
+    text of each token is read with the tokens before it."""
+    from trl_ppo.default_job import build_word_tokenizer
+
+    tokenizer = build_word_tokenizer()
+    ids = tokenizer.encode("the weather looked wonderful", add_special_tokens=False)
+    assert trajectories.token_texts(ids, tokenizer) == ["the", " weather", " looked", " wonderful"]
+    assert trajectories.token_texts(ids, tokenizer, context=0) == ["the", "weather", "looked", "wonderful"]
 
 
 def test_nothing_is_computed_or_written_when_off(make_config, tokenizer, load_models, monkeypatch, tmp_path):

@@ -6,6 +6,7 @@
     trl-ppo plot OUTPUT_DIR       # PNG of the main curves from OUTPUT_DIR's trainer_state.json
     trl-ppo env                   # versions and devices, for bug reports
     trl-ppo trajectories FILE     # advantages and losses recomputed from a `trajectory_dir` file
+    trl-ppo trajectories view DIR # a web page of a `trajectory_dir`: episodes, their tokens coloured by advantage
     trl-ppo --help                # the sub-commands and PPO's options, grouped; --help-all: every option
 
 Without `--model_name_or_path` the default job runs (flags you pass still override its settings). Under several
@@ -389,6 +390,10 @@ def main(argv: list[str] | None = None) -> None:
         from .reporting import plot_command
 
         plot_command(argv)
+    elif command == "trajectories" and argv[:1] == ["view"]:
+        from .viewer import view_command
+
+        view_command(argv[1:])
     elif command == "trajectories":
         from .trajectories import trajectories_command
 

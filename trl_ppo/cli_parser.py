@@ -19,7 +19,9 @@ from .script_args import ModelConfig, ScriptArguments
 
 USAGE = """trl-ppo [train] [--config FILE] [--OPTION VALUE ...]
        trl-ppo plot OUTPUT_DIR [--out FILE]
-       trl-ppo env"""
+       trl-ppo env
+       trl-ppo trajectories FILE
+       trl-ppo trajectories view PATH [-o FILE.html] [--max_episodes N]"""
 DESCRIPTION = """Train a causal LM with PPO.
 
 sub-commands:
@@ -27,7 +29,10 @@ sub-commands:
                      the embedded default job (a tiny model on the shipped prompts, offline)
   plot OUTPUT_DIR    a PNG of a run's main curves (`trl-ppo plot --help`)
   env                versions and devices, for bug reports
-  trajectories FILE  advantages and losses recomputed from a `trajectory_dir` file"""
+  trajectories FILE  advantages and losses recomputed from a `trajectory_dir` file
+  trajectories view PATH
+                     a self-contained web page of a `trajectory_dir` (or file): its updates, episodes, and the
+                     tokens coloured by advantage, value, return, value error or KL"""
 
 # The sections of `--help`, in order: (title, option names). Options of `PPOConfig` that no section names (a new
 # field) go to "other PPO options", so none is ever left out.

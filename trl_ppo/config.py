@@ -393,8 +393,9 @@ class PPOConfig(EstimatorConfig, OnPolicyConfig):
         metadata={
             "help": "Folder where each update's episodes are appended as JSON lines, one file per process "
             "(`trajectories-<rank>.jsonl`: ids, model mask, turn starts, rewards, log-probs, values, advantages, "
-            "returns, the text of each model turn and tool answer); `trl-ppo trajectories FILE` recomputes their "
-            "advantages and losses without sampling. None: off (nothing is computed)."
+            "returns, the text of each model turn, tool answer and token); `trl-ppo trajectories FILE` recomputes "
+            "their advantages and losses without sampling, `trl-ppo trajectories view DIR` draws them as a web page. "
+            "None: off (nothing is computed)."
         },
     )
     max_turns: int = field(

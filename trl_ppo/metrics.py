@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
 
 from . import estimators, ppo
+from .statistics import explained_variance
 from .rollout import Rollout
 
 # Reported as of the latest update; summed over the updates since the last log (counts of events); every other
@@ -77,6 +79,32 @@ def update_metrics(
     if skipped_updates is not None:
         metrics["loss/skipped_updates"] = skipped_updates
     return metrics
+
+
+@torch.no_grad()
+def critic_metrics(
+    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, accelerator, turns: int | None = None
+) -> dict[str, float]:
+    """How well the critic predicted the returns of the update's episodes, before training on them:
+    `val/explained_variance` over the model's tokens, and with `turns` (a multi-turn run's `max_turns`) also
+    `val/explained_variance/turn_<k>` over the tokens of each episode's k-th turn, k = 1..turns. Each is computed on
+    every process's batch and averaged over the processes where it is defined; one defined nowhere (no tokens, or
+    returns all equal: `explained_variance` is NaN) is left out of the update's metrics.
+
+    values: the rollout's values, returns: the value targets, mask: the tokens trained on, all `[B, T]`; values and
+    returns are None without a critic (a critic-free `advantage_estimator`, the same on every process): no metrics.
+    """
+    if values is None or returns is None:
+        return {}
+    local = [explained_variance(values, returns, mask)]
+    names = ["val/explained_variance"]
+    if turns:
+        turn = ppo.turn_starts(mask).long().cumsum(-1)  # [B, T] the turn of each model token, counted from 1
+        local += [explained_variance(values, returns, mask & (turn == k)) for k in range(1, turns + 1)]
+        names += [f"val/explained_variance/turn_{k}" for k in range(1, turns + 1)]
+    gathered = accelerator.gather(torch.stack(local).unsqueeze(0))  # [processes, names]
+    means = gathered.nanmean(0).tolist()
+    return {name: value for name, value in zip(names, means) if not math.isnan(value)}
 
 
 def reward_metrics(scores_per_reward: dict, accelerator) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""The PPO math for language models, as small pure tensor functions (no models, no I/O): statistics, token
-masks, the KL-shaped rewards, score shaping and GAE. The KL estimators are in `kl.py`, the losses in `losses.py`.
+"""The PPO math for language models, as small pure tensor functions (no models, no I/O): token masks, the
+KL-shaped rewards, score shaping and GAE. The masked statistics (mean, variance, whitening, explained variance)
+are in `statistics.py` (and importable from here), the KL estimators in `kl.py`, the losses in `losses.py`.
 
 Shapes: `B` episodes, `T` response tokens. A response mask is a bool tensor `[B, T]` that is True on the
 tokens the policy produced, up to and including the stop token, and False on the padding after it and, in a
@@ -12,37 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .statistics import masked_mean, masked_var, masked_whiten  # noqa: F401  (here too: `ppo.masked_mean`)
+
 # Stored in place of a log-probability on padding positions, so that a stray use is visible (a real
 # log-probability is never positive).
 INVALID_LOGPROB = 1.0
-
-
-# --------------------------------------------------------------------------------------------------- statistics
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `values` over the positions where `mask` is True (over all positions, or along `dim`)."""
-    mask = mask.to(values.dtype)
-    if dim is None:
-        return (values * mask).sum() / mask.sum().clamp(min=1)
-    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
-
-
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `values` over the masked positions, with Bessel's correction when `unbiased`."""
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
-    count = mask.sum()
-    if unbiased and count > 1:  # a single value has variance 0 either way
-        var = var * count / (count - 1)
-    return var
-
-
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Normalise `values` to unit variance over the masked positions; with `shift_mean` also to zero mean."""
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened
 
 
 # ------------------------------------------------------------------------------------------------ token level

@@ -87,7 +87,7 @@ class StepMethods:
         clock.lap("compute_advantages")
         result = self.ppo_update(rollout, advantages, detailed)
         clock.lap("optimize_step")
-        metrics = self._update_metrics(rollout, rewards, result.stats, scores_per_reward={})
+        metrics = self._update_metrics(rollout, rewards, result.stats, {}, rollout, advantages)
         self.run.kl_coef = next_kl_coef(self.run.kl_coef, metrics["objective/kl"], self.args)
         self.lr_scheduler.step()
         metrics = self._end_update(metrics)

@@ -30,7 +30,7 @@ from .config_checks import stop_and_penalty_tokens
 from .evaluation import evaluation_metrics
 from .generation import resolve_backend
 from .kl import next_kl_coef
-from .metrics import update_metrics
+from .metrics import critic_metrics, update_metrics
 from .models import (
     PolicyAndValueWrapper,
     PreparedModels,
@@ -198,7 +198,7 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
                 update_stats = self.ppo_update(trained, advantages).stats
 
-                metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward)
+                metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward, trained, advantages)
                 self.run.kl_coef = next_kl_coef(self.run.kl_coef, metrics["objective/kl"], self.args)
                 self.lr_scheduler.step()
                 self._end_update(metrics)  # log / evaluate / save
@@ -275,7 +275,8 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
         if self.args.trajectory_dir is None:
             return
         rank, tokenizer = self.accelerator.process_index, self.processing_class
-        records = trajectories.episode_records(update, rank, rollout, rewards, advantages, self.args, tokenizer)
+        played = self.agents.episodes if self.agents is not None and rollout.turn_rewards is not None else None
+        records = trajectories.episode_records(update, rank, rollout, rewards, advantages, self.args, tokenizer, played)
         trajectories.write_update(self.args.trajectory_dir, rank, records)
 
     def ppo_update(
@@ -374,9 +375,11 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
         if self.args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
             self.generate_completions(sampling=True)
 
-    def _update_metrics(self, rollout, rewards: ppo.Rewards, update_stats: dict, scores_per_reward: dict) -> dict:
-        """The update's metrics over all processes, with the KL coefficient and learning rate it used."""
+    def _update_metrics(self, rollout, rewards, update_stats: dict, scores_per_reward: dict, trained, advantages):
+        """The update's metrics over all processes, with the KL coefficient and learning rate it used, and the
+        critic's explained variance on the episodes trained on (`trained`; value targets: `advantages.returns`)."""
         args, agents = self.args, self.agents
+        turns = args.max_turns if agents is not None and args.max_turns > 1 else None  # per turn: multi-turn runs
         return ({} if agents is None else agents.metrics(rollout, self.accelerator)) | update_metrics(
             rollout,
             rewards,
@@ -390,7 +393,7 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
             report_shaped_scores=args.use_score_scaling or args.score_clip is not None,
             skipped_updates=self.run.skipped_updates if args.skip_nonfinite_updates else None,
             num_generations=args.num_generations,
-        )
+        ) | critic_metrics(trained.values, advantages.returns, trained.response_mask, self.accelerator, turns)
 
     # ---------------------------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

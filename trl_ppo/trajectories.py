@@ -8,9 +8,11 @@ the score as the rewards used it (`shaped_score`), whether the episode was cut b
 `truncated_episodes="bootstrap"` the recomputation adds the bootstrap term to the logged `rewards`, which are before
 it) and the per-token `rewards`, `non_score_rewards` (the KL penalty), `logprobs`, `ref_logprobs`, `values`,
 `advantages` and `returns` (over the response up to its last attended token; `values` and `returns` null without a
-critic), the settings the advantages used, and, with a tokenizer, the text of each model turn and tool answer
-(`segments`). Each process appends to its own file, `trajectories-<rank>.jsonl`: the advantages are whitened (and
-the groups of a critic-free estimator kept) within one process's episodes, so one file's update recomputes alone.
+critic), the settings the advantages used; with a tokenizer, the prompt's text (`prompt`), the text of each model
+turn and tool answer (`segments`) and that of each response token (`tokens`); in a run with tools or environments,
+the episode's `tool_calls` and `tool_errors`. Each process appends to its own file, `trajectories-<rank>.jsonl`: the
+advantages are whitened (and the groups of a critic-free estimator kept) within one process's episodes, so one file's
+update recomputes alone. `trl-ppo trajectories view` shows them in a browser (`viewer.py`).
 """
 
 from __future__ import annotations
@@ -40,9 +42,17 @@ def _row(values: torch.Tensor, length: int) -> list:
 
 
 def episode_records(
-    update: int, rank: int, rollout: Rollout, rewards: ppo.Rewards, advantages: ppo.Advantages, args, tokenizer=None
+    update: int,
+    rank: int,
+    rollout: Rollout,
+    rewards: ppo.Rewards,
+    advantages: ppo.Advantages,
+    args,
+    tokenizer=None,
+    agent_episodes: list | None = None,
 ) -> list[dict]:
-    """One JSON-ready dict per episode of an update (see the module's docstring)."""
+    """One JSON-ready dict per episode of an update (see the module's docstring). agent_episodes: the multi-turn
+    episodes the rows were played from (`agents.turn_loop.Episode`, one per row), for their tool counts."""
     settings = {name: getattr(args, name, None) for name in SETTINGS}  # None: a setting the config lacks
     mask, attended = rollout.response_mask.cpu(), rollout.attended_responses.cpu()
     lengths = (attended.long().cumsum(-1).argmax(-1) + 1).masked_fill(~attended.any(-1), 0).tolist()
@@ -67,7 +77,11 @@ def episode_records(
         for name in ("rewards", "non_score_rewards", "logprobs", "ref_logprobs", "values", "advantages", "returns"):
             record[name] = None if per_token[name] is None else _row(per_token[name][i], length)
         if tokenizer is not None:
+            record["prompt"] = tokenizer.decode(query)
             record["segments"] = segments(record["response_ids"], record["model_mask"], tokenizer)
+            record["tokens"] = token_texts(record["response_ids"], tokenizer)
+        if agent_episodes is not None:
+            record["tool_calls"], record["tool_errors"] = agent_episodes[i].tool_calls, agent_episodes[i].tool_errors
         records.append(record | {"settings": settings})
     return records
 
@@ -83,6 +97,18 @@ def segments(response_ids: list[int], model_mask: list[int], tokenizer) -> list[
     return [{"role": "model" if flag else "tool", "text": tokenizer.decode(ids)} for flag, ids in runs]
 
 
+def token_texts(ids: list[int], tokenizer, context: int = 4) -> list[str]:
+    """The text each token adds to the decoded ids, to show them one by one: the decoding of the token with up to
+    `context` tokens before it, less that of those tokens alone (a SentencePiece token decoded alone loses its
+    leading space). A token that ends inside a multi-byte character shows as the replacement character."""
+    texts = []
+    for i in range(len(ids)):
+        start = max(0, i - context)
+        before, both = tokenizer.decode(ids[start:i]), tokenizer.decode(ids[start : i + 1])
+        texts.append(both[len(os.path.commonprefix([before, both])) :])
+    return texts
+
+
 def write_update(directory: str, rank: int, records: list[dict]) -> None:
     """Append one update's records to this process's file (the folder is made when missing)."""
     os.makedirs(directory, exist_ok=True)
@@ -90,16 +116,26 @@ def write_update(directory: str, rank: int, records: list[dict]) -> None:
         file.writelines(json.dumps(record) + "\n" for record in records)
 
 
-def read_updates(path: str) -> dict[int, list[dict]]:
-    """{update: its episodes' records, in order} from one process's file."""
-    updates = defaultdict(list)
+def iter_records(path: str, required: tuple[str, ...] = ("update",)):
+    """The records of one process's file, one at a time, each checked to be a JSON object with the `required`
+    fields (an error names the line)."""
     with open(path, encoding="utf-8") as file:
         for number, line in enumerate(file, 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}, line {number}: not a JSON trajectory record ({error.msg}).") from None
-            updates[record["update"]].append(record)
+            missing = [name for name in required if name not in record] if isinstance(record, dict) else required
+            if missing:
+                raise ValueError(f"{path}, line {number}: not a trajectory record (it has no {', '.join(missing)}).")
+            yield record
+
+
+def read_updates(path: str) -> dict[int, list[dict]]:
+    """{update: its episodes' records, in order} from one process's file."""
+    updates = defaultdict(list)
+    for record in iter_records(path):
+        updates[record["update"]].append(record)
     return dict(updates)
 
 
@@ -117,8 +153,10 @@ class Recomputed:
     value_loss: torch.Tensor | None
 
 
-def _padded(records: list[dict], name: str, width: int, dtype=torch.float32) -> torch.Tensor | None:
-    if records[0].get(name) is None:  # `values` and `returns` without a critic
+def padded_rows(records: list[dict], name: str, width: int, dtype=torch.float32) -> torch.Tensor | None:
+    """The records' per-token field `name` as a `[B, width]` tensor, each row right-padded with 0; None where the
+    records hold none (`values` and `returns` without a critic)."""
+    if records[0].get(name) is None:
         return None
     return torch.tensor([r[name] + [0] * (width - len(r[name])) for r in records], dtype=dtype)
 
@@ -133,9 +171,9 @@ def recompute_advantages(records: list[dict], mask: torch.Tensor) -> ppo.Advanta
         shaped = torch.tensor([r["shaped_score"] for r in records])
         turns = None if records[0]["turn_rewards"] is None else torch.tensor([r["turn_rewards"] for r in records])
         returns = estimators.episode_returns(shaped, turns)
-        kl_rewards, group_size = _padded(records, "non_score_rewards", width), settings["num_generations"]
+        kl_rewards, group_size = padded_rows(records, "non_score_rewards", width), settings["num_generations"]
         return estimators.group_advantages(estimator, returns, kl_rewards, mask, group_size, settings["scale_rewards"])
-    rewards, values = _padded(records, "rewards", width), _padded(records, "values", width)
+    rewards, values = padded_rows(records, "rewards", width), padded_rows(records, "values", width)
     if settings.get("truncated_episodes") == "bootstrap":  # the logged rewards are before the bootstrap term
         truncated = torch.tensor([bool(r.get("truncated")) for r in records])
         rewards = ppo.bootstrap_truncated_rewards(rewards, values, mask, truncated, settings["gamma"])
@@ -148,17 +186,17 @@ def recompute(records: list[dict]) -> Recomputed:
     and the settings written with them (no model, no sampling)."""
     settings = records[0]["settings"]
     width = records[0]["response_length"]
-    mask = _padded(records, "model_mask", width, torch.bool)
+    mask = padded_rows(records, "model_mask", width, torch.bool)
     advantages = recompute_advantages(records, mask)
     aggregate = losses.LossAggregation(settings["loss_agg_mode"], None, width)
-    logprobs, values = _padded(records, "logprobs", width), _padded(records, "values", width)
+    logprobs, values = padded_rows(records, "logprobs", width), padded_rows(records, "values", width)
     pg_loss, _ = losses.policy_loss(logprobs, logprobs, advantages.advantages, mask, settings["cliprange"],
                                     aggregate=aggregate)  # fmt: skip
     vf_loss = None
     if values is not None:
         vf_loss, _ = losses.value_loss(values, values, advantages.returns, mask, settings["cliprange_value"],
                                        aggregate)  # fmt: skip
-    logged = (_padded(records, "advantages", width), _padded(records, "returns", width))
+    logged = (padded_rows(records, "advantages", width), padded_rows(records, "returns", width))
     return Recomputed(mask, advantages, *logged, pg_loss, vf_loss)
 
 
@@ -168,7 +206,9 @@ def trajectories_command(argv: list[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="trl-ppo trajectories", description="Recompute advantages and losses from a trajectory file."
+        prog="trl-ppo trajectories",
+        description="Recompute advantages and losses from a trajectory file (`trl-ppo trajectories view PATH` draws "
+        "a run's episodes as a web page).",
     )
     parser.add_argument("file", help="A `trajectories-<rank>.jsonl` written with `--trajectory_dir`.")
     path = parser.parse_args(argv).file
