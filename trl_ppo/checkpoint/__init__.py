@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from transformers.utils import logging
 
 from .folders import (
     CHECKPOINT_PREFIX,
@@ -33,6 +34,7 @@ from .folders import (
     STAGING_PREFIX,
     checkpoint_to_resume,
     complete_checkpoints,
+    is_auto,
     latest_checkpoint,
     publish_checkpoint,
     read_json,
@@ -49,6 +51,8 @@ from .preemption import PreemptionHandler, stop_requested
 from .rng import capture_rng_state, load_rng_state, rng_file
 from .run_lock import describe_holder, release_run_lock, take_run_lock
 from .weights import checkpoint_layout, load_trained_weights, named_weights, nonfinite_tensor
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -217,6 +221,8 @@ def claim_output_dir(
             release_run_lock(output_dir)
         raise
     describe_holder(output_dir, run_id)
+    if is_auto(resume_from_checkpoint) and checkpoint is None:  # a resume says so itself, when it loads
+        logger.warning(f"`resume_from_checkpoint='auto'`: no checkpoint in {output_dir}, so a new run starts there.")
     remove_unfinished_saves(output_dir)
     if checkpoint is not None:
         set_aside_newer_checkpoints(output_dir, checkpoint)
@@ -272,6 +278,7 @@ __all__ = [
     "RunStart",
     "checkpoint_to_resume",
     "complete_checkpoints",
+    "is_auto",
     "latest_checkpoint",
     "load_rng_state",
     "load_trained_weights",

@@ -21,6 +21,7 @@ PPO_STATE_NAME = "trl_ppo_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
 STAGING_PREFIX = "tmp-checkpoint-"
 ABANDONED_MARK = ".abandoned-"
+AUTO = "auto"  # `resume_from_checkpoint="auto"`: resume when there is a checkpoint, else start (veRL's resume_mode)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -198,14 +199,23 @@ def resumed_update(path: str) -> int | None:
     return step
 
 
+def is_auto(resume_from_checkpoint) -> bool:
+    """Whether `resume_from_checkpoint` is "auto" (in any case)."""
+    return isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == AUTO
+
+
 def checkpoint_to_resume(
     output_dir: str, resume_from_checkpoint: str | bool | None, overwrite: bool = False
 ) -> str | None:
     """The checkpoint folder to resume from (None for a fresh run), refusing to overwrite an earlier run:
     `resume_from_checkpoint` is a folder (refused, naming the file, unless it verifies), True / "true" /
-    "latest" for the newest one in `output_dir` that verifies (the ones skipped are named, with the reason), or
-    None / False for a fresh run: then `output_dir` must hold no checkpoint folder, or with `overwrite` (the
-    config's `overwrite_output_dir`) the ones it holds are deleted."""
+    "latest" for the newest one in `output_dir` that verifies (the ones skipped are named, with the reason),
+    "auto" for the same when `output_dir` holds a checkpoint folder and a fresh run when it holds none (a job a
+    cluster requeues with the same command, killed before its first checkpoint; a folder of only damaged
+    checkpoints is refused, never started over), or None / False for a fresh run: then `output_dir` must hold no
+    checkpoint folder, or with `overwrite` (the config's `overwrite_output_dir`) the ones it holds are deleted."""
+    if is_auto(resume_from_checkpoint):
+        return newest_verified_checkpoint(output_dir, AUTO) if checkpoint_folders(output_dir) else None
     if resume_from_checkpoint in (None, False):
         existing = checkpoint_folders(output_dir)
         if existing and overwrite:
