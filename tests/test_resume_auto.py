@@ -76,5 +76,6 @@ def test_the_cli_checks_auto_before_loading_anything(tmp_path):
 
 def test_the_help_says_what_auto_does():
     text = " ".join(build_parser().format_help().split())
-    assert "--resume_from_checkpoint VALUE Resume the run in --output_dir: `latest`" in text
-    assert "`auto` the same where a checkpoint exists and else start the run" in text
+    assert "--resume_from_checkpoint VALUE `latest`, `auto` or a checkpoint folder." in text
+    full = " ".join(build_parser().format_help(full=True).split())
+    assert "`auto` does the same where a checkpoint exists and else starts the run" in full

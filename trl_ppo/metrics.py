@@ -7,12 +7,13 @@ from collections import defaultdict
 import torch
 
 from . import ppo
+from .deadlines import take_counts
 from .rollout import Rollout
 
 # Reported as of the latest update; summed over the updates since the last log (counts of events); every other
 # metric is averaged over the updates since the last log.
 LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates", "objective/kl_coef")
-SUMMED_METRICS = ("env/tool_errors",)
+SUMMED_METRICS = ("env/tool_errors", "env/tool_timeouts", "calls/timeouts", "calls/retries")
 
 
 def episodes_per_second(episodes: int, seconds: float) -> float:
@@ -36,7 +37,7 @@ def update_metrics(
     skipped_updates: int | None = None,
 ) -> dict[str, float]:
     """PPOv2's metrics for one update and the responses' mean length, averaged (counts: summed) over all
-    processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`),
+    processes, the calls into user code that timed out or were retried (`deadlines.take_counts`), with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`),
     `objective/shaped_scores` when `report_shaped_scores`, and `loss/skipped_updates` when `skipped_updates` is given.
 
     rewards: the rollout's KL-shaped rewards; update_stats maps a metric name to its values per micro-batch `[n]`;
@@ -63,7 +64,10 @@ def update_metrics(
     ratios = accelerator.gather(update_stats.get("val/ratio", rollout.scores.new_zeros(0)).float())
     metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
     num_eos = ((rollout.responses == eos_token_id) & mask).sum() if eos_token_id is not None else mask.new_zeros(())
-    metrics["val/num_eos_tokens"] = accelerator.gather(num_eos.reshape(1).long()).sum().item()
+    # with the calls into user code that passed their deadline, and their retries, since the previous update
+    counts = torch.tensor([[int(num_eos), *take_counts()]], dtype=torch.long, device=mask.device)
+    totals = accelerator.gather(counts).sum(0).tolist()
+    metrics["val/num_eos_tokens"], metrics["calls/timeouts"], metrics["calls/retries"] = totals
     metrics.update(reward_metrics(scores_per_reward, accelerator))
     if report_shaped_scores:
         metrics["objective/shaped_scores"] = accelerator.gather(rewards.shaped_scores).mean().item()

@@ -24,9 +24,9 @@ def describe_output_dir(parser) -> None:
     )
     action = next(action for action in parser._actions if action.dest == "resume_from_checkpoint")
     action.help = (
-        "Resume the run in --output_dir: `latest` from its newest checkpoint that verifies (refused when there is "
-        "none), `auto` the same where a checkpoint exists and else start the run (a job a cluster requeues with "
-        "the same command), or a checkpoint folder."
+        "`latest`, `auto` or a checkpoint folder. `latest` resumes the run in --output_dir from its newest "
+        "checkpoint that verifies, refused where there is none; `auto` does the same where a checkpoint exists and "
+        "else starts the run (for a job a cluster requeues with the same command)."
     )
 
 

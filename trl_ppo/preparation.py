@@ -20,7 +20,8 @@ from .models import (
     prepare_models,
     vocabulary_size,
 )
-from .rewards import Reward, build_rewards, check_reward_columns, models_reading_policy_ids
+from .reward_functions import check_reward_columns
+from .rewards import Reward, build_rewards, models_reading_policy_ids
 from .saving import check_writable
 
 # Argument names of TRL's earlier PPO trainers -> what to pass here instead.
