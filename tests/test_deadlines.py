@@ -9,12 +9,15 @@ import threading
 import time
 
 import pytest
-from conftest import build_trainer
+from conftest import build_trainer, needs_tool_parsing
+from test_agent_environments import grpo_trainer
 
 from trl_ppo import PPOConfig
 from trl_ppo.agents import execution
+from trl_ppo.agents import runner as agent_runner_module
 from trl_ppo.agents.environments import Environments, close_environments, environment_reward
 from trl_ppo.agents.execution import ToolCall, execute_calls
+from trl_ppo.agents.tiny_chat import build_tool_tokenizer
 from trl_ppo.agents.tools import toolbox
 from trl_ppo.checkpoint.folders import checkpoint_folders
 from trl_ppo.checkpoint.manifest import checkpoint_problem
@@ -206,3 +209,34 @@ def test_an_async_tool_that_blocks_the_event_loop_is_given_up(monkeypatch):
     assert time.perf_counter() - start < 0.9
     assert answer.timed_out and "did not answer within 0.1 s" in answer.content
     time.sleep(0.8)  # the loop is free again
+
+
+@needs_tool_parsing
+def test_a_get_reward_that_hangs_in_training_is_retried_then_stops_the_run(make_config, monkeypatch, release):
+    tokenizer = build_tool_tokenizer()
+    tokenizer.response_template = None  # no tools: one turn per episode
+    tries = []
+
+    class SlowQuiz:
+        def reset(self, **kwargs) -> str:
+            return "Reply in one word."
+
+        def get_reward(self) -> float:
+            tries.append(1)
+            if len(tries) == 1 or len(tries) >= 4:  # update 1: its first call hangs, once; update 2: every call
+                release.wait()
+            return 1.0
+
+    def answers(models, sampling):
+        answer = tokenizer.encode("Yes.<|im_end|>", add_special_tokens=False)
+        return lambda contexts, max_new_tokens: [answer] * len(contexts)
+
+    monkeypatch.setattr(agent_runner_module, "turn_sampler", answers)
+    settings = dict(max_turns=1, environment_timeout=0.2, user_call_retries=1, user_call_backoff=0.01)
+    trainer = grpo_trainer(make_config, tokenizer, [], SlowQuiz, **settings)
+    with pytest.raises(UserCallError, match=r"Update 2: `SlowQuiz.get_reward` did not return within 0.2 s on each of "
+                                            "its 2 tries"):
+        trainer.train()
+    [logged] = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry]
+    assert logged["objective/scores/environment"] == 1.0
+    assert (logged["calls/timeouts"], logged["calls/retries"]) == (1, 1)
