@@ -37,7 +37,8 @@ def update_metrics(
     skipped_updates: int | None = None,
 ) -> dict[str, float]:
     """PPOv2's metrics for one update and the responses' mean length, averaged (counts: summed) over all
-    processes, the calls into user code that timed out or were retried (`deadlines.take_counts`), with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`),
+    processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`), the calls into user
+    code that timed out or were retried since the previous update (`calls/timeouts`, `calls/retries`),
     `objective/shaped_scores` when `report_shaped_scores`, and `loss/skipped_updates` when `skipped_updates` is given.
 
     rewards: the rollout's KL-shaped rewards; update_stats maps a metric name to its values per micro-batch `[n]`;
