@@ -11,7 +11,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from trl_ppo import PPOTrainer
-from trl_ppo.rewards import reward_function_scores
+from trl_ppo.reward_functions import reward_function_scores
 
 
 def build(make_config, tokenizer, load_models, dataset, config=None, **models):

@@ -11,7 +11,7 @@ from datasets import Dataset, DatasetDict
 
 from trl_ppo import PPOTrainer
 from trl_ppo.data import prepare_prompts
-from trl_ppo.rewards import reward_function_scores
+from trl_ppo.reward_functions import reward_function_scores
 
 PROMPTS = ["the movie was good", "my day felt long", "our trip", "fun"] * 4
 

@@ -11,7 +11,8 @@ from transformers import AutoModelForSequenceClassification
 
 from trl_ppo.default_job import SPECIAL_TOKENS, build_word_tokenizer, default_vocabulary
 from trl_ppo.kl import adaptive_kl_coef
-from trl_ppo.rewards import build_rewards, call_reward_function, reward_model_scores
+from trl_ppo.reward_functions import call_reward_function
+from trl_ppo.rewards import build_rewards, reward_model_scores
 
 
 def first_batch_scores(trainer):

@@ -51,13 +51,21 @@ def tool_pool() -> concurrent.futures.ThreadPoolExecutor:
     return _pool
 
 
-def run(awaitable):
+def run(awaitable, timeout: float | None = None):
     """Await `awaitable` on the run's loop and return its result (its exception is raised here). Callable from any
-    thread but the loop's own, a notebook's running loop included."""
+    thread but the loop's own, a notebook's running loop included. After `timeout` seconds (None: none) it is
+    cancelled and `TimeoutError` raised: the guard against a loop that a coroutine blocks (one that never awaits)."""
     loop = event_loop()
     if threading.current_thread() is _thread:
         raise RuntimeError("A coroutine of the run awaited another one synchronously on the run's own event loop.")
-    return asyncio.run_coroutine_threadsafe(_await(awaitable), loop).result()
+    future = asyncio.run_coroutine_threadsafe(_await(awaitable), loop)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:  # on Python 3.10 not yet the built-in one
+        if not future.done():
+            future.cancel()
+            raise TimeoutError(f"not done within {timeout:g} s on the run's event loop") from None
+        raise
 
 
 def resolve(value):

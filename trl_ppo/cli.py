@@ -213,7 +213,8 @@ def check_model_flags(
 
 def check_resume_flag(training_args: PPOConfig) -> None:
     """`--resume_from_checkpoint` before any model is loaded: `latest` (or `true`) with no checkpoint in
-    `--output_dir` that verifies, or a folder that is not a whole checkpoint, exits with one line."""
+    `--output_dir` that verifies, `auto` with checkpoints of which none verifies, or a folder that is not a whole
+    checkpoint, exits with one line."""
     if training_args.resume_from_checkpoint is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return  # one process per machine reads the checkpoint; the launcher stops the others if it exits
     from .checkpoint.folders import checkpoint_to_resume

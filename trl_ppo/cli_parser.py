@@ -15,6 +15,7 @@ from transformers.hf_argparser import string_to_bool
 
 from .config import PPOConfig
 from .config_checks import validate_config
+from .config_deadlines import DEADLINE_FIELDS
 from .script_args import ModelConfig, ScriptArguments
 
 USAGE = """trl-ppo [train] [--config FILE] [--OPTION VALUE ...]
@@ -47,7 +48,9 @@ SECTIONS = (
      "cliprange_value vf_coef value_head_init gamma lam gae_level whiten_rewards loss_agg_mode max_grad_norm"),
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
-    ("agents: tools and environments", "max_turns max_tool_response_length tool_timeout truncated_episodes"),
+    ("agents: tools and environments", "max_turns max_tool_response_length truncated_episodes"),
+    ("deadlines on your code: tools, environments, reward functions", "tool_timeout environment_timeout "
+     "reward_timeout user_call_retries user_call_backoff"),
     ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef critic_warmup_steps "
      "num_critic_epochs lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
     ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates"),
@@ -61,7 +64,15 @@ SECTIONS = (
 DERIVED = (
     "world_size num_total_batches micro_batch_size local_batch_size batch_size local_mini_batch_size mini_batch_size"
 )
-METAVARS = {int: "N", float: "X", string_to_bool: "BOOL"}
+
+
+def seconds_or_none(text: str) -> float | None:
+    """A deadline's value on the command line: seconds, or `None` (no limit)."""
+    return None if text.strip().lower() in ("none", "null") else float(text)
+
+
+seconds_or_none.__name__ = "float"  # argparse names the type in its error: "invalid float value: 'abc'"
+METAVARS = {int: "N", float: "X", string_to_bool: "BOOL", seconds_or_none: "X"}
 # The first sentence of a help text: up to a full stop followed by a capital or a backtick ("e.g. GPT-2" is not one).
 FIRST_SENTENCE = re.compile(r"^(.*?(?<!e\.g)(?<!i\.e)(?<!Dr)\.)\s+(?=[A-Z`'])", re.S)
 
@@ -117,6 +128,9 @@ class CliParser(HfArgumentParser):
             default=None,
             help="A YAML file of options: keys are the flag names without `--`; flags on the command line win.",
         )
+        for action in self._actions:  # `--tool_timeout None` lifts a deadline
+            if action.dest in DEADLINE_FIELDS:
+                action.type = seconds_or_none
 
     def error(self, message: str):
         """argparse's errors (`--total_episodes abc`) in one line, without the usage block of every option."""

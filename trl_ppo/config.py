@@ -13,6 +13,7 @@ from typing import Literal
 
 from transformers import TrainingArguments
 
+from .config_deadlines import DeadlineConfig
 from .config_estimators import EstimatorConfig
 from .config_fields import check_fields, check_interval_steps
 
@@ -183,9 +184,10 @@ class OnPolicyConfig(TrainingArguments):
 
 
 @dataclass
-class PPOConfig(EstimatorConfig, OnPolicyConfig):
-    """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report), and
-    the advantage estimator with its samples per prompt (`EstimatorConfig`)."""
+class PPOConfig(DeadlineConfig, EstimatorConfig, OnPolicyConfig):
+    """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report), the
+    advantage estimator with its samples per prompt (`EstimatorConfig`) and the deadlines on calls into user code
+    (`DeadlineConfig`)."""
 
     exp_name: str = field(default="ppo_config", metadata={"help": "Name of this experiment."})
     reward_model_path: str = field(
@@ -411,14 +413,6 @@ class PPOConfig(EstimatorConfig, OnPolicyConfig):
         metadata={
             "help": "Tool answers longer than this many tokens are cut to it (counted in "
             "`env/truncated_tool_responses`); None: no limit."
-        },
-    )
-
-    tool_timeout: float | None = field(
-        default=None,
-        metadata={
-            "help": "Seconds a tool call may run; a call still running then is abandoned and answered as an error "
-            "(counted in `env/tool_timeouts`). None: no limit."
         },
     )
     truncated_episodes: Literal["terminal", "bootstrap", "mask"] = field(

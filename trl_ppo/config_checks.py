@@ -267,8 +267,6 @@ def _validate_large_scale_options(args: PPOConfig) -> None:
             )
     if args.truncated_episodes not in ("terminal", "bootstrap", "mask"):
         fail(f"Unknown `truncated_episodes` {args.truncated_episodes!r}: use 'terminal', 'bootstrap' or 'mask'.")
-    if args.tool_timeout is not None and not args.tool_timeout > 0:
-        fail(f"`tool_timeout` must be > 0 seconds (or None: no limit), got {args.tool_timeout}.")
     if args.kl_loss_estimator not in KL_ESTIMATORS:
         fail(f"Unknown `kl_loss_estimator` {args.kl_loss_estimator!r}: use 'k1', 'k2' or 'k3'.")
     if args.kl_loss_estimator != "k3" and args.kl_loss_coef == 0:

@@ -14,6 +14,8 @@ import math
 import types
 import typing
 
+from .config_deadlines import DEADLINE_FIELDS
+
 SIMPLE_TYPES = (bool, int, float, str)
 
 # numpy and torch seed their generators with an unsigned 32-bit integer.
@@ -42,6 +44,8 @@ BOUNDS = (
     ("kl_loss_coef", 0.0, MAX_COEFFICIENT, "0: off; usual: 0.001 to 0.1"),
     ("kl_horizon", 1.0, None, "in episodes; default 10000"),
     ("critic_warmup_steps", 0, None, "0: off"),
+    ("user_call_retries", 0, 100, "0: no retry; each retry waits twice as long as the one before"),
+    ("user_call_backoff", 0.0, 3600.0, "seconds before the first retry"),
 )
 
 
@@ -147,9 +151,18 @@ def check_interval_steps(config) -> None:
             raise ValueError(f"`{steps}` must be > 0 with `{strategy}='steps'`, got {value}.")
 
 
+def check_deadlines(config) -> None:
+    """The deadlines on calls into user code (`config_deadlines.py`) that `config` has: > 0 seconds, or None."""
+    for name in DEADLINE_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and not 0 < value < math.inf:
+            raise ValueError(f"`{name}` must be a finite number of seconds > 0 (or None: no limit), got {value}.")
+
+
 def check_fields(config, renamed: dict[str, str] | None = None) -> None:
     """All of this module's checks of one config, types first."""
     check_field_types(config)
+    check_deadlines(config)  # before `check_finite_fields`: infinity is not "no limit" here, None is
     check_finite_fields(config)
     check_bounds(config, renamed)
     check_number_list("reward_weights", getattr(config, "reward_weights", None), -MAX_COEFFICIENT, MAX_COEFFICIENT)

@@ -242,19 +242,28 @@ def sampling_needs_sync(accelerator, gather: bool) -> bool:
     return weights_are_sharded(accelerator) and not gather and accelerator.num_processes > 1
 
 
-def checked_on_every_process(check: Callable[[], T], device: torch.device, what: str) -> T:
+def checked_on_every_process(
+    check: Callable[[], T],
+    device: torch.device,
+    what: str,
+    catch: tuple[type[Exception], ...] = (ValueError, TypeError),
+    failed: str = "were refused",
+    error_type: type[Exception] = ValueError,
+) -> T:
     """`check()`'s result, once it passed on every process. A check of this process's own inputs (`step()`'s
-    episodes, `generate()`'s queries) may fail on one process only: then every process raises, so that none is
-    left waiting in the next collective for one that stopped. The failing process raises its own error."""
+    episodes, `generate()`'s queries), or a call into user code (a reward function, environments' `reset`), may
+    fail on one process only: then every process raises, so that none is left waiting in the next collective for
+    one that stopped. The failing process raises its own error (one of `catch`), the others an `error_type`
+    saying that another process's `what` `failed`."""
     try:
         result, error = check(), None
-    except (ValueError, TypeError) as raised:
+    except catch as raised:
         result, error = None, raised
     passed = all_processes(error is None, device)
     if error is not None:
         raise error
     if not passed:
-        raise ValueError(f"Another process's {what} were refused (its error says why); this process stops too.")
+        raise error_type(f"Another process's {what} {failed} (its error says why); this process stops too.")
     return result
 
 

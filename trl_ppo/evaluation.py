@@ -13,7 +13,8 @@ import torch
 from . import ppo
 from .metrics import reward_metrics
 from .models import PreparedModels
-from .rewards import Scoring, check_reward_columns
+from .reward_functions import check_reward_columns
+from .rewards import Scoring
 from .rollout import Sampling, chunks, collect_rollout
 
 

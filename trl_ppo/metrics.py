@@ -8,13 +8,14 @@ from collections import defaultdict
 import torch
 
 from . import estimators, ppo
-from .statistics import explained_variance
+from .deadlines import take_counts
 from .rollout import Rollout
+from .statistics import explained_variance
 
 # Reported as of the latest update; summed over the updates since the last log (counts of events); every other
 # metric is averaged over the updates since the last log.
 LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates", "objective/kl_coef")
-SUMMED_METRICS = ("env/tool_errors",)
+SUMMED_METRICS = ("env/tool_errors", "env/tool_timeouts", "calls/timeouts", "calls/retries")
 
 
 def episodes_per_second(episodes: int, seconds: float) -> float:
@@ -39,7 +40,8 @@ def update_metrics(
     num_generations: int = 1,
 ) -> dict[str, float]:
     """PPOv2's metrics for one update and the responses' mean length, averaged (counts: summed) over all
-    processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`),
+    processes, with the KL coefficient and learning rate it used (`objective/kl_coef`, `lr`), the calls into user
+    code that timed out or were retried since the previous update (`calls/timeouts`, `calls/retries`),
     `objective/shaped_scores` when `report_shaped_scores`, `loss/skipped_updates` when `skipped_updates` is given,
     and with `num_generations` > 1 `objective/frac_reward_zero_std` (the groups whose returns are all equal).
 
@@ -71,7 +73,10 @@ def update_metrics(
     ratios = accelerator.gather(update_stats.get("val/ratio", rollout.scores.new_zeros(0)).float())
     metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
     num_eos = ((rollout.responses == eos_token_id) & mask).sum() if eos_token_id is not None else mask.new_zeros(())
-    metrics["val/num_eos_tokens"] = accelerator.gather(num_eos.reshape(1).long()).sum().item()
+    # with the calls into user code that passed their deadline, and their retries, since the previous update
+    counts = torch.tensor([[int(num_eos), *take_counts()]], dtype=torch.long, device=mask.device)
+    totals = accelerator.gather(counts).sum(0).tolist()
+    metrics["val/num_eos_tokens"], metrics["calls/timeouts"], metrics["calls/retries"] = totals
     metrics.update(reward_metrics(scores_per_reward, accelerator))
     if report_shaped_scores:
         metrics["objective/shaped_scores"] = accelerator.gather(rewards.shaped_scores).mean().item()

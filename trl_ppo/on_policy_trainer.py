@@ -119,7 +119,8 @@ class OnPolicyTrainer(Trainer):
 
     def _start_run(self, resume_from_checkpoint: str | bool | None) -> None:
         """Begin a run of `train()` or `step()`: fresh (None; `output_dir` must hold no checkpoint, unless
-        `overwrite_output_dir`) or resumed (a checkpoint, or True for the newest in `output_dir`), holding the run
+        `overwrite_output_dir`) or resumed (a checkpoint, or True for the newest in `output_dir`; "auto": the newest
+        if there is one, else fresh), holding the run
         lock of `output_dir` (`checkpoint.run_lock`)."""
         args = self.args
         start = ckpt.start_checkpoint(
@@ -221,8 +222,9 @@ class OnPolicyTrainer(Trainer):
         return self._write_checkpoint()
 
     def load_checkpoint(self, checkpoint: str | bool = True) -> int:
-        """Continue a run driven by `step()` from `checkpoint` (a folder, or True for the newest complete one in
-        `output_dir`): the next `step()` is then the update after it. -> the number of updates it had done."""
+        """Continue a run driven by `step()` from `checkpoint` (a folder, True for the newest complete one in
+        `output_dir`, or "auto": that one if there is one, else a fresh run): the next `step()` is then the update
+        after it. -> the number of updates it had done."""
         if checkpoint in (None, False):
             raise ValueError("`load_checkpoint` needs a checkpoint folder, or True for the newest in `output_dir`.")
         self._start_run(checkpoint)

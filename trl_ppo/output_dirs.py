@@ -8,18 +8,25 @@ import os
 import shlex
 import time
 
-from .checkpoint.folders import checkpoint_folders
+from .checkpoint.folders import checkpoint_folders, is_auto
 from .config import PPOConfig
 
 
 def describe_output_dir(parser) -> None:
-    """`--output_dir`'s help says what `trl-ppo` does without it, not `TrainingArguments`' default."""
+    """`--output_dir`'s help says what `trl-ppo` does without it, not `TrainingArguments`' default; and
+    `--resume_from_checkpoint`'s, the values `trl-ppo` takes."""
     action = next(action for action in parser._actions if action.dest == "output_dir")
     action.help = (
         "Where the model, checkpoints and logs are written. None: the embedded job writes a new folder "
         "trl_ppo_default_run/<date>_<time> each run (resuming: the newest), a run with --model_name_or_path "
         "trainer_output/. A folder holding an earlier run is refused: resume it (--resume_from_checkpoint "
         "latest), pass --overwrite_output_dir, or choose another."
+    )
+    action = next(action for action in parser._actions if action.dest == "resume_from_checkpoint")
+    action.help = (
+        "`latest`, `auto` or a checkpoint folder. `latest` resumes the run in --output_dir from its newest "
+        "checkpoint that verifies, refused where there is none; `auto` does the same where a checkpoint exists and "
+        "else starts the run (for a job a cluster requeues with the same command)."
     )
 
 
@@ -54,9 +61,10 @@ def default_run_folder(base: str, resume: bool) -> str:
 def check_output_dir(training_args: PPOConfig) -> None:
     """`trl-ppo` saves the trained model to `output_dir` at the end: refuse, before anything is loaded, a folder
     holding an earlier run's (its `trainer_state.json`, written at the end of every run), unless resuming or
-    `--overwrite_output_dir`. A folder with checkpoints is the trainer's to refuse, with its options."""
-    output_dir = training_args.output_dir
-    if training_args.resume_from_checkpoint or training_args.overwrite_output_dir or checkpoint_folders(output_dir):
+    `--overwrite_output_dir` (`--resume_from_checkpoint auto` with no checkpoint there starts a fresh run: refused
+    too). A folder with checkpoints is the trainer's to refuse, with its options."""
+    output_dir, resume = training_args.output_dir, training_args.resume_from_checkpoint
+    if (resume and not is_auto(resume)) or training_args.overwrite_output_dir or checkpoint_folders(output_dir):
         return
     if os.path.isfile(os.path.join(output_dir, "trainer_state.json")):
         raise SystemExit(

@@ -24,7 +24,8 @@ from .models import (
     vocabulary_size,
     with_value_function,
 )
-from .rewards import Reward, build_rewards, check_reward_columns, models_reading_policy_ids
+from .reward_functions import check_reward_columns
+from .rewards import Reward, build_rewards, models_reading_policy_ids
 from .saving import check_writable
 from .value_head import is_value_head_model
 

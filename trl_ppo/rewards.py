@@ -13,23 +13,19 @@ Several rewards are combined as a weighted sum (`reward_weights`); a missing sco
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
-import numbers
-import reprlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from . import async_loop, ppo
+from . import ppo
 from .data import is_conversational
+from .deadlines import Deadlines, UserCallError
 from .fsdp import root_call
 from .models import check_scalar_head_model, scalar_head_outputs
+from .reward_functions import add_note, reward_function_scores
 from .rollout import Rollout, chunks
-
-RewardFunction = Callable[..., list]
 
 
 @dataclass
@@ -40,6 +36,7 @@ class Reward:
     name: str
     weight: float = 1.0
     tokenizer: Any = None
+    own_deadlines: bool = False  # a function whose calls into user code have their own (environments' `get_reward`)
 
     @property
     def is_model(self) -> bool:
@@ -161,102 +158,6 @@ def uses_chat_template(tokenizer, prompt_column) -> bool:
     return bool(prompt_column) and is_conversational(prompt_column[0]) and tokenizer.chat_template is not None
 
 
-# ---------------------------------------------------------------------------------------- reward functions
-def call_reward_function(reward_function: RewardFunction, **kwargs) -> list:
-    """Call a reward function; an `async` one (e.g. an HTTP judge scoring completions concurrently) is awaited on
-    the run's event loop (`async_loop`), where the environments it reads made their async state."""
-    return async_loop.resolve(reward_function(**kwargs))
-
-
-def reward_values(result, name: str, count: int) -> list:
-    """What reward function `name` returned for `count` completions, checked: a list (or 1-D tensor or array)
-    of numbers (0-d tensors too) and Nones, one per completion; anything else raises, naming what it was."""
-    if hasattr(result, "ndim") and hasattr(result, "tolist") and result.ndim == 1:
-        result = result.tolist()
-    if not isinstance(result, (list, tuple)):
-        wrong = f"{type(result).__name__} {reprlib.repr(result)}, not a list"
-    else:
-        result = [v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v for v in result]
-        bad = [(i, v) for i, v in enumerate(result) if v is not None and not isinstance(v, numbers.Real)]
-        wrong = f"{len(result)} scores" if len(result) != count else None
-        if bad:
-            index, value = bad[0]
-            wrong = f"{type(value).__name__} {reprlib.repr(value)} at position {index} (of {len(result)} values)"
-    if wrong is not None:
-        raise ValueError(
-            f"Reward function {name!r} returned {wrong}: it must return a list of one float (or None) per "
-            f"completion, {count} here."
-        )
-    return result
-
-
-def reward_arguments(
-    reward_function: RewardFunction, name: str, available: dict[str, Any], source: str = "the batch"
-) -> dict[str, Any]:
-    """The keyword arguments `reward_function` takes, out of `available` (`prompts`, `completions` and the
-    columns of `source`): all of them for a function with `**kwargs`, else only the ones it names, so
-    `lambda prompts, completions: ...` works. A parameter it requires that is not available is an error naming
-    the reward. Each data value is a copy: a reward that mutates its lists cannot change what the next one sees;
-    `environments` are the episodes' live instances, passed as they are (a reward reads their state, and an
-    environment may hold a lock, a socket or a process that cannot be copied)."""
-    try:
-        parameters = inspect.signature(reward_function).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (some builtins): give it everything
-        parameters = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
-    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    required = [p.name for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    missing = [parameter for parameter in required if parameter not in named or parameter not in available]
-    if missing:
-        columns = [key for key in available if key not in ("prompts", "completions")]
-        environments = " `environments` is passed with an `environment_factory`." if "environments" in missing else ""
-        raise ValueError(
-            f"Reward function {name!r} requires {', '.join(map(repr, missing))}, which the trainer cannot pass: it "
-            f"calls rewards by keyword with `prompts`, `completions` and the other columns of {source} "
-            f"({', '.join(columns) or 'none'}). Name its parameters after those, give the others defaults, or add "
-            f"`**columns`.{environments}"
-        )
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return copied_arguments(available)
-    return copied_arguments({key: value for key, value in available.items() if key in named})
-
-
-LIVE_ARGUMENTS = ("environments",)  # passed by reference, never copied
-
-
-def copied_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
-    return {key: value if key in LIVE_ARGUMENTS else copy.deepcopy(value) for key, value in arguments.items()}
-
-
-def check_reward_columns(rewards: list[Reward], dataset, name: str, passed: tuple[str, ...] = ()) -> None:
-    """Before any compute: every reward function can be called with what a batch of `dataset` gives it, and the
-    `passed` arguments the trainer adds (`environments`, with an `environment_factory`)."""
-    if dataset is None:
-        return
-    columns = [column for column in dataset.column_names if column not in ("input_ids", "attention_mask")]
-    available = dict.fromkeys(["prompts", "completions", *columns, *passed])
-    for reward in rewards:
-        if not reward.is_model:
-            reward_arguments(reward.source, reward.name, available, f"`{name}`")
-
-
-def reward_function_scores(
-    reward_function: RewardFunction, name: str, prompts: list[str], completions: list[str], columns: dict, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (scores `[B]` with 0 where missing, present `[B]` bool: False where the function returned None)."""
-    arguments = reward_arguments(reward_function, name, {"prompts": prompts, "completions": completions, **columns})
-    try:
-        result = call_reward_function(reward_function, **arguments)
-    except ValueError as error:  # labelled with the update by `Scoring`, which re-raises ValueErrors
-        raise ValueError(f"Reward function {name!r} raised: {error}") from error
-    except Exception as error:
-        _add_note(error, f"Raised by reward function {name!r}.")
-        raise
-    values = reward_values(result, name, len(completions))
-    present = torch.tensor([value is not None for value in values], dtype=torch.bool, device=device)
-    scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32, device=device)
-    return scores, present
-
-
 # PPO squares scores (value loss, whitening), so float32 overflows near 1e19; far below that, no sane reward.
 MAX_ABS_SCORE = 1e10
 
@@ -288,13 +189,15 @@ def compute_scores(
     chunk_size: int,
     penalty_token_id: int | None,
     missing_eos_penalty: float | None,
+    deadlines: Deadlines | None = None,
 ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Score every episode of `rollout` with every reward.
 
     Returns the combined scores `[B]` (weighted sum, minus `missing_eos_penalty` for responses without
     `penalty_token_id`) and, per reward name, `(scores [B], present [B])`: `present` is False where a reward
     function returned None (its score then counts as 0 in the sum), and None for a reward model.
-    `columns` are the batch's other dataset columns, passed to reward functions as keyword lists.
+    `columns` are the batch's other dataset columns, passed to reward functions as keyword lists; `deadlines`
+    bound the reward functions' calls.
     """
     device = rollout.responses.device
     prompt_column = columns.get("prompt")
@@ -314,7 +217,10 @@ def compute_scores(
                 reward.source, reward.tokenizer, texts, chunk_size, device, add_special_tokens=not templated
             )
         else:
-            scores, present = reward_function_scores(reward.source, reward.name, prompts, completions, columns, device)
+            bounded = None if reward.own_deadlines else deadlines
+            scores, present = reward_function_scores(
+                reward.source, reward.name, prompts, completions, columns, device, bounded
+            )
         check_finite_scores(scores if present is None else scores[present], reward.name)
         per_reward[reward.name] = (scores, present)
     combined = sum(reward.weight * per_reward[reward.name][0] for reward in rewards)
@@ -338,13 +244,15 @@ class Scoring:
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     passed: tuple[str, ...] = ()  # arguments the trainer adds to the columns (`environments`)
     done: Callable[[dict], None] | None = None  # called with the batch once scored (closes its environments)
+    deadlines: Deadlines | None = None  # on the reward functions' calls
 
     @classmethod
     def from_config(
         cls, rewards, tokenizer, args, penalty_token_id: int | None, autocast, passed=(), done=None
     ) -> "Scoring":
-        chunk_size = args.local_rollout_forward_batch_size
-        return cls(rewards, tokenizer, chunk_size, penalty_token_id, args.missing_eos_penalty, autocast, passed, done)
+        chunk_size, penalty = args.local_rollout_forward_batch_size, args.missing_eos_penalty
+        deadlines = Deadlines.from_config(args)
+        return cls(rewards, tokenizer, chunk_size, penalty_token_id, penalty, autocast, passed, done, deadlines)
 
     def __call__(self, rollout: Rollout, batch: dict, where: str) -> tuple[torch.Tensor, dict]:
         """Scores `[B]` of the rollout of a collated `batch` (its other columns go to reward functions) and,
@@ -360,6 +268,7 @@ class Scoring:
                 self.chunk_size,
                 self.penalty_token_id,
                 self.missing_eos_penalty,
+                self.deadlines,
             )
 
 
@@ -380,11 +289,8 @@ def _labelled_errors(where: str):
         yield
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
+    except UserCallError as error:  # a reward function that timed out: where the run stopped
+        raise UserCallError(f"{where}: {error}") from error
     except Exception as error:
-        _add_note(error, f"{where}, while scoring.")
+        add_note(error, f"{where}, while scoring.")
         raise
-
-
-def _add_note(error: Exception, note: str) -> None:
-    if hasattr(error, "add_note"):  # Python >= 3.11; on 3.10 the traceback still shows the function
-        error.add_note(note)

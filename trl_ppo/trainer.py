@@ -159,11 +159,12 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
         """Run the PPO updates, each: sample → score → KL-shaped rewards → advantages → PPO epochs → adapt the
         KL coefficient → step the learning-rate schedule → log / evaluate / save.
 
-        `resume_from_checkpoint`: a checkpoint folder, or True for the newest complete one in `output_dir`.
-        On SIGTERM/SIGINT the update in progress is finished (or, if its optimisation has not begun, dropped),
-        a checkpoint is written and the process exits with status 0. During the last update, or while the run's
-        end is written (log, curves), the run is finished instead and `stop_signal` names the signal: the caller
-        then saves the model and stops (`save_model` finishes its write before honouring a signal).
+        `resume_from_checkpoint`: a checkpoint folder, True for the newest complete one in `output_dir`, "auto": that
+        one or, where there is none, a fresh run. On SIGTERM/SIGINT the update in progress is finished (or, if its
+        optimisation has not begun, dropped), a checkpoint is written and the process exits with status 0. During
+        the last update, or while the run's end is written (log, curves), the run is finished instead and
+        `stop_signal` names the signal: the caller then saves the model and stops (`save_model` finishes its write
+        before honouring a signal).
         """
         args = self.args
         if self.train_dataset is None:

@@ -3,16 +3,22 @@ environment, or `{name: either}` picked by each row's `environment` column). `re
 returned string is added to the prompt); its public methods are the episode's tools (`tools.public_methods`); an
 optional `get_reward()` is added to the episode's score; an optional `close()` is called once the episode is scored
 (TRL 1.12 has no such hook: it reuses its instances). `reset`, `get_reward` and `close` may be `async def`: they are
-awaited on the run's event loop, the one the async tools run on."""
+awaited on the run's event loop, the one the async tools run on.
+
+Each call is bounded by `environment_timeout` (`deadlines.py`): making and resetting an environment, and
+`get_reward`, are retried when they pass it or raise a transient error, then stop the run naming the method; a batch's
+`close()` calls run side by side under one deadline, and one that passes it is abandoned with a warning."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 
 from transformers.utils import logging
 
 from .. import async_loop
+from ..deadlines import TIMED_OUT, Deadlines, Failed, call_all_within, describe
 
 logger = logging.get_logger(__name__)
 
@@ -22,7 +28,7 @@ ROUTING_COLUMN = "environment"
 class Environments:
     """`environment_factory` checked once, at construction; `create(row)` makes one episode's environment."""
 
-    def __init__(self, factory, columns: list[str] | None = None) -> None:
+    def __init__(self, factory, columns: list[str] | None = None, deadlines: Deadlines | None = None) -> None:
         if isinstance(factory, Mapping):
             if not factory:
                 raise ValueError("`environment_factory` is an empty dict: give at least one `{name: class}`.")
@@ -35,7 +41,7 @@ class Environments:
                 )
         else:
             _check_maker(factory, "`environment_factory`")
-        self.factory = factory
+        self.factory, self.deadlines = factory, deadlines
 
     def create(self, row: Mapping) -> tuple[object, str | None]:
         """The episode's environment for a dataset `row`, reset with the row's columns -> (environment, the text
@@ -49,14 +55,28 @@ class Environments:
                     f"(it has {sorted(self.factory)})."
                 )
             maker, where = self.factory[name], f"`environment_factory[{name!r}]`"
-        environment = make_environment(maker, where)
-        added = async_loop.resolve(environment.reset(**row)) if hasattr(environment, "reset") else None
+
+        def make_and_reset():  # a retry makes a new environment: the one abandoned may still be running
+            environment = make_environment(maker, where)
+            added = environment.reset(**row) if hasattr(environment, "reset") else None
+            return _awaiting_second(environment, added) if inspect.isawaitable(added) else (environment, added)
+
+        if self.deadlines is None:
+            environment, added = async_loop.resolve(make_and_reset())
+        else:
+            name = f"`{getattr(maker, '__name__', type(maker).__name__)}.reset`"
+            seconds = self.deadlines.environment
+            environment, added = self.deadlines.call(make_and_reset, name, seconds, "environment_timeout")
         if added is not None and not isinstance(added, str):
             raise TypeError(
                 f"`{type(environment).__name__}.reset` returned {type(added).__name__}; it may return a string "
                 "(added to the prompt) or None."
             )
         return environment, added
+
+
+async def _awaiting_second(first, awaitable) -> tuple:
+    return first, await awaitable
 
 
 def _check_maker(maker, where: str) -> None:
@@ -75,24 +95,34 @@ def make_environment(maker: Callable, where: str):
     return environment
 
 
+def close_environments(environments: list, seconds: float | None = None) -> None:
+    """Call each environment's optional `close()` (awaited when async), side by side, within `seconds` together
+    (None: no limit). A failure, or a call still running then (abandoned), is logged, not raised: the episode is
+    over, and a run is not stopped for what it could not release."""
+    closing = [environment for environment in environments if callable(getattr(environment, "close", None))]
+    outcomes = call_all_within([environment.close for environment in closing], seconds)
+    for environment, outcome in zip(closing, outcomes):
+        if isinstance(outcome, Failed) or outcome is TIMED_OUT:
+            abandoned = " (abandoned: a sync one runs on in its thread)" if outcome is TIMED_OUT else ""
+            logger.warning(f"`{type(environment).__name__}.close()` {describe(outcome, seconds)}{abandoned}")
+
+
 def close_environment(environment) -> None:
-    """Call the environment's optional `close()` (awaited when async). A failure is logged, not raised: the episode
-    is over, and a run is not stopped for what it could not release."""
-    close = getattr(environment, "close", None)
-    if not callable(close):
-        return
-    try:
-        async_loop.resolve(close())
-    except Exception as error:
-        logger.warning(f"`{type(environment).__name__}.close()` raised {type(error).__name__}: {error}")
+    """`close_environments` of one environment, without a limit."""
+    close_environments([environment])
 
 
-def environment_reward(environment) -> float:
-    """The environment's `get_reward()` (0 without one); a value that is not a finite number is an error."""
+def environment_reward(environment, deadlines: Deadlines | None = None) -> float:
+    """The environment's `get_reward()` (0 without one), bounded and retried by `deadlines` (`environment_timeout`);
+    a value that is not a finite number is an error."""
     get_reward: Callable | None = getattr(environment, "get_reward", None)
     if get_reward is None:
         return 0.0
-    returned = async_loop.resolve(get_reward())
+    if deadlines is None:
+        returned = async_loop.resolve(get_reward())
+    else:
+        name = f"`{type(environment).__name__}.get_reward`"
+        returned = deadlines.call(get_reward, name, deadlines.environment, "environment_timeout")
     try:
         value = float(returned)
     except (TypeError, ValueError):

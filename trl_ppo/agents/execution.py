@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from transformers.utils import logging
 
 from .. import async_loop
+from ..deadlines import LOOP_GRACE
 from ..rewards import MAX_ABS_SCORE
 from .tools import Tool
 
@@ -75,7 +76,17 @@ def execute_calls(
         if in_order:
             jobs.append(_sync_calls(results[i], in_order, timeout))
     if jobs:
-        async_loop.run(_all(jobs))
+        # Each call waits at most `timeout` for a thread and `timeout` to return, an episode's calls one by one; a
+        # loop still busy after that is blocked by an async tool that never awaits: its calls are given up.
+        longest = max(len(episode) for episode in calls)
+        try:
+            async_loop.run(_all(jobs), None if timeout is None else 2 * timeout * longest + LOOP_GRACE)
+        except TimeoutError:  # the calls not answered yet are answered below
+            pass
+        for episode_calls, episode_results in zip(calls, results):
+            for j, call in enumerate(episode_calls):
+                if episode_results[j] is None:
+                    episode_results[j] = _as_result(call.name, _TIMED_OUT, timeout)
     return results
 
 

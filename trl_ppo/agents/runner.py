@@ -6,6 +6,7 @@ row), plays the turns with the run's sampler (`turn_loop.run_turns`), and return
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -15,11 +16,12 @@ from .. import distributed as dist
 from .. import ppo
 from ..config_checks import stop_and_penalty_tokens
 from ..data import LeftPaddingCollator, check_fits_context, is_conversational, prompts_on_device
+from ..deadlines import Deadlines, UserCallError
 from ..models import context_length
 from ..rewards import Reward
 from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
 from .chat import ToolChat
-from .environments import Environments, close_environment, environment_reward, make_environment
+from .environments import Environments, close_environments, environment_reward, make_environment
 from .tools import schemas, tool_list, toolbox
 from .turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
 
@@ -62,7 +64,10 @@ class AgentRunner:
 
     def __init__(self, args, tokenizer, tools, environment_factory, stop_token_id: int | None, columns) -> None:
         self.tokenizer, self.tools = tokenizer, tool_list(tools or [])
-        self.environments = None if environment_factory is None else Environments(environment_factory, columns)
+        self.deadlines = Deadlines.from_config(args)  # on `reset`, `get_reward` and `close`
+        self.environments = None
+        if environment_factory is not None:
+            self.environments = Environments(environment_factory, columns, self.deadlines)
         makers = dict(environment_factory) if isinstance(environment_factory, Mapping) else {}
         makers = makers or ({None: environment_factory} if environment_factory is not None else {})
         shown = toolbox(self.tools)  # every tool any episode may have, from one probe instance of each environment
@@ -72,7 +77,7 @@ class AgentRunner:
             probe = make_environment(maker, where)
             shown.update(toolbox(self.tools, probe))
             self.has_environment_reward |= callable(getattr(probe, "get_reward", None))
-            close_environment(probe)
+            close_environments([probe], self.deadlines.environment)
         check_agent_config(args, tools, environment_factory, has_tools=bool(shown))
         self.chat = ToolChat(tokenizer, schemas(shown), stop_token_id) if shown else None  # no tools: no parsing
         self.episodes: list[Episode] = []  # those of the latest rollout
@@ -109,16 +114,16 @@ class AgentRunner:
         return ids + (self.tokenizer.encode(added, add_special_tokens=False) if added else [])
 
     def close_environments(self, batch: dict) -> None:
-        """Close the environments of a scored batch (`environments.close_environment`)."""
-        for environment in batch.get("environments") or []:
-            close_environment(environment)
+        """Close the environments of a scored batch (`environments.close_environments`)."""
+        close_environments(batch.get("environments") or [], self.deadlines.environment)
 
     def collect(self, batch: dict, models, sampling: Sampling, args) -> Rollout:
         """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`.
         The batch gains an `environments` column (reward functions receive it)."""
-        episodes = self.start_episodes(batch, args, context_length(models.wrapper.lm))
+        device, context = models.accelerator.device, context_length(models.wrapper.lm)
+        start = functools.partial(self.start_episodes, batch, args, context)  # a failure stops every process
+        episodes = dist.checked_on_every_process(start, device, "environments", (Exception,), "failed", UserCallError)
         sync = dist.weights_are_sharded(models.accelerator) and models.accelerator.num_processes > 1
-        device = models.accelerator.device
         run_turns(
             episodes,
             turn_sampler(models, sampling),
@@ -138,7 +143,10 @@ class AgentRunner:
     # ----------------------------------------------------------------------------------- rewards, metrics
     def environment_reward(self) -> Reward | None:
         """The reward of the environments' `get_reward()` (None when no environment class has one)."""
-        return Reward(environment_rewards, ENVIRONMENT_REWARD) if self.has_environment_reward else None
+        if not self.has_environment_reward:
+            return None
+        bounded = functools.partial(environment_rewards, deadlines=self.deadlines)
+        return Reward(bounded, ENVIRONMENT_REWARD, own_deadlines=True)
 
     @torch.no_grad()
     def metrics(self, rollout: Rollout, accelerator) -> dict[str, float]:
@@ -188,12 +196,14 @@ def fit_query(query: list[int], max_prompt_length: int | None, response_length: 
     return query
 
 
-def environment_rewards(prompts, completions, environments=None, **columns) -> list[float | None]:
-    """Each episode's `environment.get_reward()`; None (no score) where the batch has no environments (episodes
-    that did not come from the turn loop: those given to `step()`)."""
+def environment_rewards(
+    prompts, completions, environments=None, deadlines: Deadlines | None = None, **columns
+) -> list[float | None]:
+    """Each episode's `environment.get_reward()`, bounded by `deadlines`; None (no score) where the batch has no
+    environments (episodes that did not come from the turn loop: those given to `step()`)."""
     if environments is None:
         return [None] * len(completions)
-    return [environment_reward(environment) for environment in environments]
+    return [environment_reward(environment, deadlines) for environment in environments]
 
 
 def turn_sampler(models, sampling: Sampling) -> TurnSampler:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from transformers.utils import logging
 
 from .folders import (
     CHECKPOINT_PREFIX,
@@ -33,8 +34,10 @@ from .folders import (
     STAGING_PREFIX,
     checkpoint_to_resume,
     complete_checkpoints,
+    is_auto,
     latest_checkpoint,
     publish_checkpoint,
+    put_back_retired_checkpoints,
     read_json,
     remove_unfinished_saves,
     rotate_checkpoints,
@@ -49,6 +52,8 @@ from .preemption import PreemptionHandler, stop_requested
 from .rng import capture_rng_state, load_rng_state, rng_file
 from .run_lock import describe_holder, release_run_lock, take_run_lock
 from .weights import checkpoint_layout, load_trained_weights, named_weights, nonfinite_tensor
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -202,14 +207,16 @@ def start_checkpoint(
 def claim_output_dir(
     output_dir: str, resume_from_checkpoint: str | bool | None, identity: dict, overwrite: bool = False
 ) -> tuple[str | None, str]:
-    """Take the run lock of `output_dir` (`run_lock.py`; released again if the run is refused), then -> (the
+    """Take the run lock of `output_dir` (`run_lock.py`; released again if the run is refused), put back whole
+    checkpoints an interrupted save had set aside (`folders.put_back_retired_checkpoints`), then -> (the
     checkpoint to resume from, or None: `checkpoint_to_resume`, where `overwrite` deletes an earlier run's
     checkpoints for a fresh run; the run id: `ownership.run_to_continue`, which refuses another run's folder).
-    Only once the run may use `output_dir` is anything there changed: what interrupted saves left is removed (a
-    refused run must not delete the save another run has in progress), and a resume from an older checkpoint sets
-    the newer ones aside (`folders.set_aside_newer_checkpoints`)."""
+    Only once the run may use `output_dir` is anything else there changed: what interrupted saves left is removed
+    (a refused run must not delete the save another run has in progress), and a resume from an older checkpoint
+    sets the newer ones aside (`folders.set_aside_newer_checkpoints`)."""
     took_lock = take_run_lock(output_dir)  # first: a run started beside this one now waits or is refused
     try:
+        put_back_retired_checkpoints(output_dir)  # whole ones, before a checkpoint is chosen
         checkpoint = checkpoint_to_resume(output_dir, resume_from_checkpoint, overwrite)
         run_id = run_to_continue(output_dir, checkpoint, identity)
     except BaseException:
@@ -217,6 +224,8 @@ def claim_output_dir(
             release_run_lock(output_dir)
         raise
     describe_holder(output_dir, run_id)
+    if is_auto(resume_from_checkpoint) and checkpoint is None:  # a resume says so itself, when it loads
+        logger.warning(f"`resume_from_checkpoint='auto'`: no checkpoint in {output_dir}, so a new run starts there.")
     remove_unfinished_saves(output_dir)
     if checkpoint is not None:
         set_aside_newer_checkpoints(output_dir, checkpoint)
@@ -272,6 +281,7 @@ __all__ = [
     "RunStart",
     "checkpoint_to_resume",
     "complete_checkpoints",
+    "is_auto",
     "latest_checkpoint",
     "load_rng_state",
     "load_trained_weights",

@@ -21,6 +21,8 @@ PPO_STATE_NAME = "trl_ppo_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
 STAGING_PREFIX = "tmp-checkpoint-"
 ABANDONED_MARK = ".abandoned-"
+RETIRED_MARK = ".replaced"  # a folder renamed before it is deleted, so that a kill never leaves it half-deleted
+AUTO = "auto"  # `resume_from_checkpoint="auto"`: resume when there is a checkpoint, else start (veRL's resume_mode)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -115,13 +117,34 @@ def remove_unfinished_saves(output_dir: str) -> list[str]:
     warning that names them -> their paths."""
     if not os.path.isdir(output_dir):
         return []
-    names = sorted(n for n in os.listdir(output_dir) if n.startswith(STAGING_PREFIX) or n.endswith(".replaced"))
+    names = sorted(n for n in os.listdir(output_dir) if n.startswith(STAGING_PREFIX) or n.endswith(RETIRED_MARK))
     removed = [os.path.join(output_dir, name) for name in names if os.path.isdir(os.path.join(output_dir, name))]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     if removed:
         logger.warning(f"Removed {len(removed)} unfinished checkpoint folder(s) of an interrupted save: {removed}")
     return removed
+
+
+def put_back_retired_checkpoints(output_dir: str) -> list[str]:
+    """Rename each `checkpoint-<n>.replaced` that verifies whole, where no `checkpoint-<n>` exists, back to its name
+    (a kill came between setting it aside and its replacement's move, or before a rotation deleted it), with a
+    warning -> the paths put back. Called by the run that holds `output_dir`'s lock, before it chooses a
+    checkpoint: an interrupted save never loses one."""
+    if not os.path.isdir(output_dir):
+        return []
+    restored = []
+    for name in sorted(os.listdir(output_dir)):
+        path = os.path.join(output_dir, name)
+        original = path[: -len(RETIRED_MARK)]
+        if not name.endswith(RETIRED_MARK) or checkpoint_step(original) is None or os.path.exists(original):
+            continue
+        if os.path.isdir(path) and checkpoint_problem(path) is None:
+            os.replace(path, original)
+            restored.append(original)
+    if restored:
+        logger.warning(f"Put back checkpoint(s) that an interrupted save had set aside: {restored}")
+    return restored
 
 
 def staging_folder(output_dir: str, step: int, run_id: str | None = None, clear: bool = True) -> str:
@@ -147,7 +170,7 @@ def publish_checkpoint(staging: str, output_dir: str, step: int) -> str:
 def replace_folder(source: str, target: str) -> None:
     """Put the folder `source` in place of the existing `target`: `target` is set aside first (`os.replace` cannot
     replace a non-empty folder), then removed once `source` stands in its place."""
-    retired = target + ".replaced"
+    retired = target + RETIRED_MARK
     shutil.rmtree(retired, ignore_errors=True)
     os.replace(target, retired)
     os.replace(source, target)
@@ -155,12 +178,15 @@ def replace_folder(source: str, target: str) -> None:
 
 
 def rotate_checkpoints(output_dir: str, save_total_limit: int | None, keep: str) -> None:
-    """Delete the oldest complete checkpoints beyond `save_total_limit`, never `keep` (the newest one)."""
+    """Delete the oldest complete checkpoints beyond `save_total_limit`, never `keep` (the newest one). Each is
+    renamed first (`RETIRED_MARK`): a kill while it is deleted leaves no half-deleted `checkpoint-<n>`."""
     if not save_total_limit or save_total_limit <= 0:
         return
     checkpoints = [path for path in complete_checkpoints(output_dir) if os.path.abspath(path) != os.path.abspath(keep)]
     for path in checkpoints[: max(0, len(checkpoints) - (save_total_limit - 1))]:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path + RETIRED_MARK, ignore_errors=True)
+        os.replace(path, path + RETIRED_MARK)
+        shutil.rmtree(path + RETIRED_MARK, ignore_errors=True)
 
 
 def set_aside_newer_checkpoints(output_dir: str, resumed: str) -> list[str]:
@@ -198,14 +224,23 @@ def resumed_update(path: str) -> int | None:
     return step
 
 
+def is_auto(resume_from_checkpoint) -> bool:
+    """Whether `resume_from_checkpoint` is "auto" (in any case)."""
+    return isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == AUTO
+
+
 def checkpoint_to_resume(
     output_dir: str, resume_from_checkpoint: str | bool | None, overwrite: bool = False
 ) -> str | None:
     """The checkpoint folder to resume from (None for a fresh run), refusing to overwrite an earlier run:
     `resume_from_checkpoint` is a folder (refused, naming the file, unless it verifies), True / "true" /
-    "latest" for the newest one in `output_dir` that verifies (the ones skipped are named, with the reason), or
-    None / False for a fresh run: then `output_dir` must hold no checkpoint folder, or with `overwrite` (the
-    config's `overwrite_output_dir`) the ones it holds are deleted."""
+    "latest" for the newest one in `output_dir` that verifies (the ones skipped are named, with the reason),
+    "auto" for the same when `output_dir` holds a checkpoint folder and a fresh run when it holds none (a job a
+    cluster requeues with the same command, killed before its first checkpoint; a folder of only damaged
+    checkpoints is refused, never started over), or None / False for a fresh run: then `output_dir` must hold no
+    checkpoint folder, or with `overwrite` (the config's `overwrite_output_dir`) the ones it holds are deleted."""
+    if is_auto(resume_from_checkpoint):
+        return newest_verified_checkpoint(output_dir, AUTO) if checkpoint_folders(output_dir) else None
     if resume_from_checkpoint in (None, False):
         existing = checkpoint_folders(output_dir)
         if existing and overwrite:
