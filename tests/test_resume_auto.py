@@ -79,3 +79,16 @@ def test_the_help_says_what_auto_does():
     assert "--resume_from_checkpoint VALUE `latest`, `auto` or a checkpoint folder." in text
     full = " ".join(build_parser().format_help(full=True).split())
     assert "`auto` does the same where a checkpoint exists and else starts the run" in full
+
+
+def test_calls_counted_before_a_run_are_not_its_own(make_config, tokenizer, load_models, prompt_dataset):
+    """`calls/timeouts` and `calls/retries` count this process's calls; those of an earlier run in the same process
+    (here planted) must not show in this run's first update (they made logs order-dependent between tests)."""
+    from trl_ppo import deadlines
+
+    deadlines._count("retries", 3)
+    deadlines._count("timeouts", 2)
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset)
+    trainer.train()
+    logged = [(h["calls/timeouts"], h["calls/retries"]) for h in trainer.state.log_history if "calls/retries" in h]
+    assert logged and set(logged) == {(0, 0)}

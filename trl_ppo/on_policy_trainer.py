@@ -21,6 +21,7 @@ from . import distributed as dist
 from .checkpoint.trainer_files import exportable_callbacks, restore_trainer_checkpoint, write_trainer_checkpoint
 from .checkpoint.weights import named_weights
 from .config_checks import compute_batch_sizes, samples_per_prompt
+from .deadlines import take_counts
 from .metrics import episodes_per_second
 from .models import PreparedModels
 from .run_state import PPOTrainerState, RunState
@@ -135,6 +136,7 @@ class OnPolicyTrainer(Trainer):
         `on_train_begin`."""
         args, checkpoint = self.args, start.checkpoint
         self._train_ended = False
+        take_counts()  # calls timed out or retried before this run (another trainer's, in this process) are not its
         earlier_logs = self.state.log_history  # e.g. an `evaluate()` before training: kept in a fresh run
         self._new_run_state(start.run_id)
         self.state = self._new_trainer_state(earlier_logs if checkpoint is None else None)
