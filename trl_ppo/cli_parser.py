@@ -47,7 +47,8 @@ SECTIONS = (
      "cliprange_value vf_coef value_head_init gamma lam gae_level whiten_rewards loss_agg_mode max_grad_norm"),
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
-    ("agents: tools and environments", "max_turns max_tool_response_length tool_timeout truncated_episodes"),
+    ("agents: tools and environments", "max_turns max_tool_response_length tool_timeout tool_chat_template "
+     "truncated_episodes"),
     ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef critic_warmup_steps "
      "num_critic_epochs lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
     ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates"),
