@@ -424,10 +424,10 @@ class PPOConfig(EstimatorConfig, OnPolicyConfig):
     tool_chat_template: str | None = field(
         default=None,
         metadata={
-            "help": "With tools: the name of a chat template shipped with trl_ppo to render the episodes with, and "
-            "its tool-call parser, instead of the tokenizer's (which is left as it is). 'chatml': for ChatML models "
-            "whose own template has no tool section (SmolLM2), tools laid out as Qwen2.5 lays them out, parsed by "
-            "TRL's registry (the `templates` extra). None: the tokenizer's own, or its stock family's."
+            "help": "'chatml': tools for a ChatML model. For one whose own template has no tool section (SmolLM2): "
+            "the episodes are rendered with the ChatML tool template shipped with trl_ppo (Qwen2.5's layout) and its calls parsed by "
+            "TRL's registry (the `templates` extra), instead of with the tokenizer's own (which is left as it is). "
+            "None: the tokenizer's own template, or its stock family's."
         },
     )
     truncated_episodes: Literal["terminal", "bootstrap", "mask"] = field(
