@@ -176,6 +176,20 @@ def test_a_tool_call_is_run_and_answered_as_the_shipped_template_writes_it(chatm
     assert chatml_tokenizer.decode(episode.context) == expected
 
 
+def test_the_assistant_mask_covers_exactly_what_the_model_writes(chatml_tokenizer):
+    """`{% generation %}` markers, for a supervised warm start masked to the model's own tokens."""
+    chat = ToolChat(chatml_tokenizer, TOOLS, chatml_tokenizer.eos_token_id, shipped="chatml")
+    out = chatml_tokenizer.apply_chat_template(conversation(), tools=TOOLS, chat_template=chat.chat_template,
+                                               return_dict=True, return_assistant_tokens_mask=True)
+    written = "".join(chatml_tokenizer.decode([i]) for i, keep in zip(out["input_ids"], out["assistant_masks"]) if keep)
+    assert written == (
+        '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
+        'Checking twice.\n<tool_call>\n{"name": "add", "arguments": {"a": 42, "b": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 42}}\n</tool_call><|im_end|>'
+        "It is 45.<|im_end|>"
+    )
+
+
 def test_the_users_tokenizer_is_left_as_it_is(chatml_tokenizer):
     own = chatml_tokenizer.chat_template
     ToolChat(chatml_tokenizer, TOOLS, chatml_tokenizer.eos_token_id, shipped="chatml")
