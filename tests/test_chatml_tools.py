@@ -9,9 +9,8 @@ import logging
 import os
 
 import pytest
-import torch
-from conftest import REPO_ROOT, needs_tool_parsing, tiny_config
-from datasets import Dataset
+from conftest import (REPO_ROOT, needs_tool_parsing, script_tool_turns, scripted_tool_trainer,
+                      train_and_check_one_call_per_episode)
 
 from trl_ppo.agents.chat import ToolChat
 from trl_ppo.agents.tiny_chat import build_byte_tokenizer
@@ -172,8 +171,8 @@ def test_a_tool_call_is_run_and_answered_as_the_shipped_template_writes_it(chatm
     assert episode.tool_calls == 1 and episode.tool_errors == 0 and episode.turns == 2
     answered = user + [{"role": "assistant", "content": "", "tool_calls": [call("multiply", 6, 7)]},
                        {"role": "tool", "name": "multiply", "content": "42"}]
-    expected = render(chatml_tokenizer, chat.chat_template, answered, add_generation_prompt=True) + "It is 42.<|im_end|>"
-    assert chatml_tokenizer.decode(episode.context) == expected
+    expected = render(chatml_tokenizer, chat.chat_template, answered, add_generation_prompt=True)
+    assert chatml_tokenizer.decode(episode.context) == expected + "It is 42.<|im_end|>"
 
 
 def test_the_assistant_mask_covers_exactly_what_the_model_writes(chatml_tokenizer):
@@ -231,49 +230,13 @@ def test_a_trainer_with_a_chatml_tokenizer_and_the_option_plays_and_learns_from_
     """`PPOTrainer(tools=...)` with a ChatML tokenizer: refused without the option (as before this issue); with
     `tool_chat_template="chatml"` the calls are parsed, run and answered, the run updates, and the tokenizer is
     untouched. The turns are scripted (a tiny random model never writes a call), their log-probs real."""
-    from transformers import AutoModelForCausalLM
-
-    from trl_ppo import PPOTrainer
-    from trl_ppo.agents import runner as runner_module
-
-    tokenizer = chatml_tokenizer
+    tokenizer, final = chatml_tokenizer, "It is 42.<|im_end|>"
     own = tokenizer.chat_template
-    config = tiny_config("qwen2", tokenizer)
-    config.max_position_embeddings = 2048  # prompts that list the tools are long, byte-level ones the more
-    calls = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
-
-    def scripted(models, sampling):  # calls `multiply` until it has an answer, then answers
-        def sample_turn(contexts, max_new_tokens):
-            done = ["</tool_response>" in tokenizer.decode(context) for context in contexts]
-            texts = ["It is 42.<|im_end|>" if d else calls for d in done]
-            return [tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens] for text in texts]
-
-        return sample_turn
-
-    def says_42(prompts, completions, **columns):
-        return [float("42." in completion) for completion in completions]
-
-    def trainer(**options):
-        torch.manual_seed(0)
-        return PPOTrainer(
-            args=make_config(max_turns=3, response_length=200, total_episodes=2, stop_token="eos", num_ppo_epochs=1,
-                             per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                             local_rollout_forward_batch_size=2, **options),
-            processing_class=tokenizer, model=AutoModelForCausalLM.from_config(config), ref_model=None,
-            reward_model=[says_42], value_model=None, tools=[multiply],
-            train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "6 * 7?"}]] * 2}),
-        )
-
     with pytest.raises(ValueError, match="does not show the tools"):
-        trainer()
-    monkeypatch.setattr(runner_module, "turn_sampler", scripted)
+        scripted_tool_trainer(make_config, tokenizer, [multiply])
+    script_tool_turns(monkeypatch, tokenizer, final)
     with caplog.at_level(logging.WARNING):
-        ppo = trainer(tool_chat_template="chatml")
+        trainer = scripted_tool_trainer(make_config, tokenizer, [multiply], tool_chat_template="chatml")
     assert "training-safe copy" not in caplog.text  # nothing swapped: the named template is used as it is
-    before = {name: p.detach().clone() for name, p in ppo.model.named_parameters()}
-    ppo.train()
-    assert any(not torch.equal(p, before[name]) for name, p in ppo.model.named_parameters())
-    logged = [entry for entry in ppo.state.log_history if "env/turns_mean" in entry][0]
-    assert logged["env/turns_mean"] == 2 and logged["env/tool_calls_mean"] == 1 and logged["env/tool_errors"] == 0
-    assert logged["objective/scores/says_42"] == 1.0
+    train_and_check_one_call_per_episode(trainer)
     assert tokenizer.chat_template == own and getattr(tokenizer, "response_template", None) is None
