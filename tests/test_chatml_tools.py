@@ -203,7 +203,7 @@ def test_bad_requests_are_refused_before_any_compute(make_config):
         ToolChat(llama, TOOLS, llama.eos_token_id, shipped="chatml")
     chatml = build_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>")
     endoftext = chatml.convert_tokens_to_ids("<|endoftext|>")  # a stop token the template never ends a turn with
-    with pytest.raises(ValueError, match=r"stop token '<\|endoftext\|>'.*tool_chat_template='chatml'"):
+    with pytest.raises(ValueError, match=r"`tool_chat_template='chatml'`: the template .* stop token '<\|endoftext\|>'"):
         ToolChat(chatml, TOOLS, endoftext, shipped="chatml")
     with pytest.raises(ValueError, match=r"Unknown `tool_chat_template` 'chatml_tools': use one of \['chatml'\]"):
         validate_config(make_config(tool_chat_template="chatml_tools"))

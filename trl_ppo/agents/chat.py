@@ -62,8 +62,8 @@ class ToolChat:
             source = f"`tool_chat_template={shipped!r}`"
             try:
                 probes = self._check_template(self.chat_template)
-            except TemplateProblem as problem:
-                raise TemplateProblem(problem.what, f" (The one of {source}, with this tokenizer.)") from None
+            except TemplateProblem as problem:  # with this tokenizer's markup or stop token: say which template
+                raise ValueError(f"Tools with {source}: the template shipped under that name {problem.what}.") from None
             self._check_parsing(probes, source)
             return
         self.chat_template, probes = self._usable_chat_template()
