@@ -209,6 +209,15 @@ def test_bad_requests_are_refused_before_any_compute(make_config):
         validate_config(make_config(tool_chat_template="chatml_tools"))
 
 
+def test_without_the_templates_extra_the_option_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)  # as if trl were not installed
+    chatml = build_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>")
+    with pytest.raises(ValueError, match=r"reads tool calls with TRL's registry: `pip install 'trl_ppo\[templates\]'"):
+        ToolChat(chatml, TOOLS, chatml.eos_token_id, shipped="chatml")
+
+
 def test_the_option_without_tools_is_refused():
     from types import SimpleNamespace
 
