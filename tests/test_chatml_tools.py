@@ -9,7 +9,7 @@ import logging
 import os
 
 import pytest
-from conftest import (REPO_ROOT, needs_tool_parsing, script_tool_turns, scripted_tool_trainer,
+from conftest import (REPO_ROOT, load_example_script, needs_tool_parsing, script_tool_turns, scripted_tool_trainer,
                       train_and_check_one_call_per_episode)
 
 from trl_ppo.agents.chat import ToolChat
@@ -30,26 +30,8 @@ QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assista
 OUR_SYSTEM = "You are a helpful assistant."
 
 
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: the first factor.
-        b: the second factor.
-    """
-    return a * b
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: the first term.
-        b: the second term.
-    """
-    return a + b
-
-
+# the two one-operation tools of the task of issue 43 (its warm-start script)
+multiply, add = load_example_script("smollm2_tool_warm_start").TOOLS
 TOOLS = schemas(toolbox([multiply, add]))
 
 
