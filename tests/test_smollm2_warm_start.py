@@ -66,3 +66,33 @@ def test_a_warm_start_trains_saves_and_is_reused(tmp_path):
     stamp = os.path.getmtime(os.path.join(folder, warm.DONE_MARKER))
     assert warm.warm_start(None, tokenizer, folder, steps=2) == folder  # cached: nothing trained or written
     assert os.path.getmtime(os.path.join(folder, warm.DONE_MARKER)) == stamp
+
+
+def test_held_out_episodes_are_played_with_both_tools_and_scored(monkeypatch):
+    """The evaluation's wiring, with a scripted model: two calls, then the answer copied from the second."""
+    import agent_task
+
+    tokenizer = chatml_tokenizer()
+    problems = warm.split_problems()[0][:2]
+    scripts = {}
+
+    def sampler(model, rendering, temperature, batch_size):
+        def sample_turn(contexts, max_new_tokens):
+            turns = []
+            for context in contexts:
+                text = rendering.decode(context)
+                a, b, c = next(p for p in problems if warm.question(*p) in text)
+                step = text.count("<tool_response>")
+                call = [("multiply", a, b), ("add", a * b, c)][step] if step < 2 else None
+                written = (f'<tool_call>\n{{"name": "{call[0]}", "arguments": {{"a": {call[1]}, "b": {call[2]}}}}}\n'
+                           f"</tool_call><|im_end|>") if call else f"The answer is {a * b + c}.<|im_end|>"
+                scripts.setdefault((a, b, c), []).append(written)
+                turns.append(rendering.encode(written, add_special_tokens=False))
+            return turns
+
+        return sample_turn
+
+    monkeypatch.setattr(agent_task, "model_sampler", sampler)
+    result = warm.evaluate(torch.nn.Linear(1, 1), tokenizer, problems, budget=400)
+    assert result["success"] == 1.0 and result["tool_call_rate"] == 1.0
+    assert all(len(turns) == 3 for turns in scripts.values()) and len(scripts) == 2

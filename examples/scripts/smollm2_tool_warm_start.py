@@ -97,12 +97,12 @@ def one_operation_conversation(rng: random.Random) -> list[dict]:
 
 
 def rendering_tokenizer(tokenizer):
-    """A copy of `tokenizer` whose chat template is the shipped ChatML tool one (the caller's is left as it is):
-    transcripts render as the trainer renders episodes with `tool_chat_template="chatml"`."""
+    """A copy of `tokenizer` with the shipped ChatML tool template and its parser (the caller's is left as it is):
+    transcripts and evaluation episodes render as the trainer's with `tool_chat_template="chatml"`."""
     from trl_ppo.agents.templates import shipped_templates
 
     rendering = copy.copy(tokenizer)
-    rendering.chat_template, _ = shipped_templates("chatml", tokenizer)
+    rendering.chat_template, rendering.response_template = shipped_templates("chatml", tokenizer)
     return rendering
 
 
@@ -110,6 +110,19 @@ def warm_start_examples(tokenizer, count: int, seed: int = 0) -> list[tuple[list
     """`count` (ids, labels) pairs of one-operation transcripts, labels on the model's turns only."""
     rng, rendering = random.Random(seed), rendering_tokenizer(tokenizer)
     return [agent_task.sft_example(rendering, one_operation_conversation(rng), TOOLS) for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def evaluate(model, tokenizer, problems, max_turns: int = 4, budget: int = 160, temperature: float | None = None,
+             batch_size: int = 25) -> dict:
+    """Episodes on "(a * b) + c" `problems` with both tools, greedy (`temperature` None) -> `agent_task`'s
+    {"success", "tool_call_rate", "success_when_calling", "sample", "episodes"}."""
+    rendering = rendering_tokenizer(tokenizer)
+    prompts = [rendering.encode(rendering.apply_chat_template(prompt_messages(*p), tools=list(TOOLS), tokenize=False,
+                                                              add_generation_prompt=True), add_special_tokens=False)
+               for p in problems]
+    return agent_task.evaluate_prompts(model, rendering, prompts, [answer(*p) for p in problems], list(TOOLS),
+                                       max_turns, budget, temperature, batch_size=batch_size)
 
 
 # -------------------------------------------------------------------------------------------- the warm start
@@ -148,13 +161,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=5e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evaluate", type=int, default=0, help="held-out problems to play greedily before and after")
     args = parser.parse_args(argv)
+    import time
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(args.model)
+    held_out = split_problems()[0][: args.evaluate]
+    if held_out:
+        report("before", evaluate(model, tokenizer, held_out))
+    start = time.process_time()
     folder = warm_start(model, tokenizer, args.output_dir, args.steps, args.batch_size, args.learning_rate, args.seed)
-    print(f"Warm start in {folder}")
+    print(f"Warm start in {folder} ({time.process_time() - start:.0f} CPU s in this process)")
+    if held_out:
+        report("after", evaluate(AutoModelForCausalLM.from_pretrained(folder), tokenizer, held_out))
+
+
+def report(when: str, result: dict) -> None:
+    print(f"{when}: held-out success {result['success']:.2f}, tool-call rate {result['tool_call_rate']:.2f}, "
+          f"success when calling {result['success_when_calling']}")
+    print(f"  first episode: {result['sample']!r}")
 
 
 if __name__ == "__main__":
