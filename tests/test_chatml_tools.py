@@ -78,6 +78,17 @@ def test_a_chatml_tokenizer_with_tools_is_refused_without_the_option_and_the_ref
         ToolChat(chatml_tokenizer, TOOLS, chatml_tokenizer.eos_token_id)
 
 
+def test_the_hint_is_left_out_for_a_chatml_template_that_has_tools_of_its_own(monkeypatch):
+    import sys
+
+    tokenizer = build_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>")
+    tokenizer.chat_template = registry.qwen3_chat_template  # with tools, but rewrites earlier `<think>` blocks
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)  # no training-safe copy to swap in
+    with pytest.raises(ValueError, match="not prefix-preserving") as refused:
+        ToolChat(tokenizer, TOOLS, tokenizer.eos_token_id)
+    assert "tool_chat_template" not in str(refused.value)
+
+
 def test_the_shipped_template_renders_tools_calls_and_answers_as_qwen2_5_does(chatml_tokenizer):
     chat = ToolChat(chatml_tokenizer, TOOLS, chatml_tokenizer.eos_token_id, shipped="chatml")
     for system in (True, False):

@@ -141,7 +141,11 @@ def is_one_token(tokenizer, token: str) -> bool:
 
 
 def chatml_note(tokenizer) -> str:
-    """A hint for a refusal: for a ChatML tokenizer, the option that gives it the shipped tool template."""
+    """A hint for a refusal: for a ChatML tokenizer whose chat template knows nothing of tools, the option that gives
+    it the shipped tool template (a template with tools of its own is refused for other reasons)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if "tool" in (own if isinstance(own, str) else "").lower():
+        return ""
     if all(is_one_token(tokenizer, token) for token in SHIPPED["chatml"][1]):
         return (
             " This tokenizer speaks ChatML: `tool_chat_template='chatml'` in the config gives it the tool template "
