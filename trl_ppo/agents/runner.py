@@ -79,7 +79,14 @@ class AgentRunner:
             self.has_environment_reward |= callable(getattr(probe, "get_reward", None))
             close_environments([probe], self.deadlines.environment)
         check_agent_config(args, tools, environment_factory, has_tools=bool(shown))
-        self.chat = ToolChat(tokenizer, schemas(shown), stop_token_id) if shown else None  # no tools: no parsing
+        shipped = getattr(args, "tool_chat_template", None)
+        if shipped is not None and not shown:
+            raise ValueError(
+                f"`tool_chat_template={shipped!r}` is set but the model has no tool to call (no `tools`, no "
+                "environment methods): it would never be used. Unset it, or give the trainer tools."
+            )
+        # no tools: no parsing
+        self.chat = ToolChat(tokenizer, schemas(shown), stop_token_id, shipped) if shown else None
         self.episodes: list[Episode] = []  # those of the latest rollout
 
     # ------------------------------------------------------------------------------------------ episodes

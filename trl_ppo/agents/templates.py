@@ -18,6 +18,10 @@ The choice, and why:
   brings no `response_template`, or its chat template fails the checks of `chat.ToolChat`; a missing extra is named
   in the refusal.
 
+A ChatML model whose own template has no tool section (SmolLM2) is given one shipped with trl_ppo by name
+(`PPOConfig.tool_chat_template="chatml"`, `shipped_templates`): `chatml_tools.jinja`, laid out as Qwen2.5's, whose
+parser is the registry's for Qwen2.5 (the call format is the same, so no parser is written here).
+
 The user's tokenizer is never changed: the parser and the template in use are held by `ToolChat` and passed to
 `parse_response(schema=...)` and `apply_chat_template(chat_template=...)`, so a saved tokenizer keeps its own.
 """
@@ -25,6 +29,7 @@ The user's tokenizer is never changed: the parser and the template in use are he
 from __future__ import annotations
 
 import copy
+from importlib import resources
 
 from transformers.utils import logging
 
@@ -32,6 +37,10 @@ logger = logging.get_logger(__name__)
 
 TESTED_TRL = "trl>=1.12,<1.13"
 INSTALL = f"pip install 'trl_ppo[templates]'` ({TESTED_TRL})"
+
+# `tool_chat_template` names: (the template file shipped in this package, the markup tokens a tokenizer needs for it,
+# the registry's stock template whose parser reads its calls).
+SHIPPED = {"chatml": ("chatml_tools.jinja", ("<|im_start|>", "<|im_end|>"), "qwen2_5_chat_template")}
 
 
 def registry():
@@ -99,3 +108,47 @@ def _stock_copy(known, tokenizer):
                 stock.chat_template = getattr(known, name.replace("_training_chat_template", "_chat_template"), value)
                 break
     return stock
+
+
+def shipped_templates(name: str, tokenizer) -> tuple[str, dict]:
+    """(the chat template shipped under `name`, the registry's parser for it). Refuses, before any compute, an unknown
+    name, a tokenizer without the template's markup tokens (each one token), and a missing `templates` extra."""
+    if name not in SHIPPED:
+        raise ValueError(f"Unknown `tool_chat_template` {name!r}: use one of {sorted(SHIPPED)} (or None).")
+    filename, markup, stock = SHIPPED[name]
+    missing = [token for token in markup if not is_one_token(tokenizer, token)]
+    if missing:
+        raise ValueError(
+            f"`tool_chat_template={name!r}` needs a tokenizer with the markup tokens {list(markup)}, each a single "
+            f"token; this one lacks {missing}, so it is not a {name} model. Leave `tool_chat_template` unset and give "
+            "the tokenizer a `chat_template` and `response_template` of its own family."
+        )
+    known = registry()
+    if known is None:
+        raise ValueError(f"`tool_chat_template={name!r}` reads tool calls with TRL's registry: `{INSTALL}.")
+    stock_like = copy.copy(tokenizer)  # the registry sets the parser on what it is given: never the user's
+    stock_like.response_template, stock_like.chat_template = None, getattr(known, stock)
+    parser = known.add_response_schema(stock_like).response_template
+    return resources.files(__package__).joinpath(filename).read_text(encoding="utf-8"), parser
+
+
+def is_one_token(tokenizer, token: str) -> bool:
+    """Whether `token` is in the tokenizer's vocabulary and encodes to that one id (not split into pieces)."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id is not None and token_id != tokenizer.unk_token_id and tokenizer.encode(
+        token, add_special_tokens=False
+    ) == [token_id]
+
+
+def chatml_note(tokenizer) -> str:
+    """A hint for a refusal: for a ChatML tokenizer whose chat template knows nothing of tools, the option that gives
+    it the shipped tool template (a template with tools of its own is refused for other reasons)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if "tool" in (own if isinstance(own, str) else "").lower():
+        return ""
+    if all(is_one_token(tokenizer, token) for token in SHIPPED["chatml"][1]):
+        return (
+            " This tokenizer speaks ChatML: `tool_chat_template='chatml'` in the config gives it the tool template "
+            "shipped with trl_ppo (Qwen2.5's layout)."
+        )
+    return ""

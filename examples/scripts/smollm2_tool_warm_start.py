@@ -1,0 +1,193 @@
+"""A warm start that teaches SmolLM2-135M-Instruct the tool-call format, not the answers (issue 43, part 2; a
+skeleton: not yet measured against the issue's bar of >= 0.5 episodes calling the tool and <= 0.4 held-out success).
+
+The task (part 3): "What is (a * b) + c?" with numbers a 135M model cannot work out in its head, and two tools that
+each do one operation (`multiply`, `add`), so it needs the tool twice. The warm start's transcripts are one-operation
+problems ("What is a * b?", "What is x + y?"): one call, the tool's answer, then "The answer is N." copied from it.
+They teach the markup of a call and reading a tool answer, but never chaining two calls, which RL has to find.
+
+The transcripts are rendered with the ChatML tool template shipped with trl_ppo (`tool_chat_template="chatml"`,
+what the trainer then uses) and trained on the model's own turns only (`agent_task.sft_example`: each turn encoded
+after its header, as the model writes it in an episode) with transformers' `Trainer`. The result is cached in
+`.cache/smollm2-tool-warm-start` (a second run returns it). Measured once (seed 0, one thread of a shared 2-core
+machine, 2026-11-27): the defaults, 10 steps of 8 transcripts at lr 2e-4, took 332 CPU-seconds (478 s wall); greedy on
+the first 20 held-out problems the model went from calling no tool and solving none to calling `multiply` in 20 of 20
+and still solving none (it answers with the product, never calling `add`): the format, not the answers. One seed, 20
+problems: the issue's bar (>= 0.5 calling, <= 0.4 solved on 100 held-out) is still to be measured in full.
+
+    python examples/scripts/get_smollm2.py .cache/smollm2-135m-instruct
+    python examples/scripts/smollm2_tool_warm_start.py --model .cache/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))  # agent_task: SFT examples masked to the model's turns
+import agent_task  # noqa: E402
+
+DEFAULT_MODEL = os.path.join(ROOT, ".cache", "smollm2-135m-instruct")
+DEFAULT_OUTPUT = os.path.join(ROOT, ".cache", "smollm2-tool-warm-start")
+DONE_MARKER = "warm_start_done.txt"  # written last: a folder without it is an interrupted run
+NUM_HELD_OUT = 100
+
+
+# --------------------------------------------------------------------------------------------------- tools
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor.
+        b: the second factor.
+    """
+    return a * b
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first term.
+        b: the second term.
+    """
+    return a + b
+
+
+TOOLS = (multiply, add)
+
+
+# ------------------------------------------------------------------------------------------------ problems
+def split_problems(num_held_out: int = NUM_HELD_OUT, count: int = 2000, seed: int = 43):
+    """(held-out, training) lists of (a, b, c) for "(a * b) + c": a, b in [13, 99], c in [100, 999], no triple in
+    both (the held-out ones are never seen by the warm start or RL)."""
+    rng = random.Random(seed)
+    problems = list(dict.fromkeys((rng.randint(13, 99), rng.randint(13, 99), rng.randint(100, 999))
+                                  for _ in range(count)))
+    return problems[:num_held_out], problems[num_held_out:]
+
+
+def question(a: int, b: int, c: int) -> str:
+    return f"What is ({a} * {b}) + {c}?"
+
+
+def prompt_messages(a: int, b: int, c: int) -> list[dict]:
+    return [{"role": "user", "content": question(a, b, c)}]
+
+
+def answer(a: int, b: int, c: int) -> int:
+    return a * b + c
+
+
+# ----------------------------------------------------------------------------------------- the transcripts
+def one_operation_conversation(rng: random.Random) -> list[dict]:
+    """A one-call demonstration: a product of two 2-digit numbers, or a sum of a 4-digit and a 3-digit one (the
+    sizes the two steps of the task see), called, answered, and the answer copied from the tool."""
+    tool = rng.choice(TOOLS)
+    a, b = (rng.randint(13, 99), rng.randint(13, 99)) if tool is multiply else (rng.randint(169, 9801),
+                                                                                rng.randint(100, 999))
+    sign = "*" if tool is multiply else "+"
+    call = {"type": "function", "function": {"name": tool.__name__, "arguments": {"a": a, "b": b}}}
+    return [
+        {"role": "user", "content": f"What is {a} {sign} {b}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": tool.__name__, "content": str(tool(a, b))},
+        {"role": "assistant", "content": f"The answer is {tool(a, b)}."},
+    ]
+
+
+def rendering_tokenizer(tokenizer):
+    """A copy of `tokenizer` with the shipped ChatML tool template and its parser (the caller's is left as it is):
+    transcripts and evaluation episodes render as the trainer's with `tool_chat_template="chatml"`."""
+    from trl_ppo.agents.templates import shipped_templates
+
+    rendering = copy.copy(tokenizer)
+    rendering.chat_template, rendering.response_template = shipped_templates("chatml", tokenizer)
+    return rendering
+
+
+def warm_start_examples(tokenizer, count: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """`count` (ids, labels) pairs of one-operation transcripts, labels on the model's turns only."""
+    rng, rendering = random.Random(seed), rendering_tokenizer(tokenizer)
+    return [agent_task.sft_example(rendering, one_operation_conversation(rng), TOOLS) for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def evaluate(model, tokenizer, problems, max_turns: int = 4, budget: int = 160, temperature: float | None = None,
+             batch_size: int = 25) -> dict:
+    """Episodes on "(a * b) + c" `problems` with both tools, greedy (`temperature` None) -> `agent_task`'s
+    {"success", "tool_call_rate", "success_when_calling", "sample", "episodes"}."""
+    rendering = rendering_tokenizer(tokenizer)
+    prompts = [rendering.encode(rendering.apply_chat_template(prompt_messages(*p), tools=list(TOOLS), tokenize=False,
+                                                              add_generation_prompt=True), add_special_tokens=False)
+               for p in problems]
+    return agent_task.evaluate_prompts(model, rendering, prompts, [answer(*p) for p in problems], list(TOOLS),
+                                       max_turns, budget, temperature, batch_size=batch_size)
+
+
+# -------------------------------------------------------------------------------------------- the warm start
+def is_done(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, DONE_MARKER))
+
+
+def warm_start(model, tokenizer, output_dir: str, steps: int, batch_size: int = 8, learning_rate: float = 2e-4,
+               seed: int = 0) -> str:
+    """Fine-tune `model` for `steps` steps on one-operation transcripts with transformers' `Trainer`, and save it
+    with `tokenizer` (its own chat template) to `output_dir`; a folder already done is returned as it is."""
+    if is_done(output_dir):
+        return output_dir
+    from transformers import Trainer, TrainingArguments
+
+    examples = warm_start_examples(tokenizer, steps * batch_size, seed)
+    args = TrainingArguments(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
+                             learning_rate=learning_rate, lr_scheduler_type="constant", logging_steps=10,
+                             save_strategy="no", report_to="none", seed=seed, use_cpu=True,
+                             remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=examples,
+                      data_collator=lambda rows: agent_task.sft_batch(tokenizer, rows))
+    trainer.train()
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    with open(os.path.join(output_dir, DONE_MARKER), "w") as marker:
+        marker.write(f"steps={steps} batch_size={batch_size} learning_rate={learning_rate} seed={seed}\n")
+    return output_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="SmolLM2 folder (get_smollm2.py)")
+    parser.add_argument("--output_dir", default=DEFAULT_OUTPUT)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--learning_rate", type=float, default=2e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evaluate", type=int, default=0, help="held-out problems to play greedily before and after")
+    args = parser.parse_args(argv)
+    import time
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    held_out = split_problems()[0][: args.evaluate]
+    if held_out:
+        report("before", evaluate(model, tokenizer, held_out))
+    start = time.process_time()
+    folder = warm_start(model, tokenizer, args.output_dir, args.steps, args.batch_size, args.learning_rate, args.seed)
+    print(f"Warm start in {folder} ({time.process_time() - start:.0f} CPU s in this process)")
+    if held_out:
+        report("after", evaluate(AutoModelForCausalLM.from_pretrained(folder), tokenizer, held_out))
+
+
+def report(when: str, result: dict) -> None:
+    print(f"{when}: held-out success {result['success']:.2f}, tool-call rate {result['tool_call_rate']:.2f}, "
+          f"success when calling {result['success_when_calling']}")
+    print(f"  first episode: {result['sample']!r}")
+
+
+if __name__ == "__main__":
+    main()
