@@ -7,7 +7,7 @@ import random
 import sys
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, needs_tool_parsing
 
 sys.path[:0] = [os.path.join(REPO_ROOT, "benchmark", "credit"), os.path.join(REPO_ROOT, "benchmark")]
 import tasks  # noqa: E402
@@ -52,19 +52,23 @@ def test_the_chain_pays_for_its_first_letter_only_at_its_end(length):
     assert getattr(env, "a")() == "end" and env.get_reward() == 0.0  # past the end nothing changes
 
 
-def test_random_start_draws_its_own_training_state_and_pays_for_copying_its_first_letter():
+def test_random_start_draws_its_own_training_state_and_pays_a_bonus_by_state_besides_the_first_letter():
     starts = set()
     for _ in range(200):
         env = tasks.RandomStart(4)
         starts.add(env.reset(seed=7))  # the same row for all: a group's members still get their own states
     assert starts <= set(tasks.TRAIN_STATES) and len(starts) > 30
     assert not starts & set(tasks.HELD_OUT) and len(tasks.HELD_OUT) == 16
+    assert {s[0] for s in tasks.HELD_OUT} == set(tasks.ACTIONS)
     env = tasks.RandomStart(4)
-    assert play(env, "dabc", start="dcb")[0] == "dcb" and env.get_reward() == 1.0
-    play(env, "cabc", start="dcb")
-    assert env.get_reward() == 0.0
+    first, answers = play(env, tasks.TARGET + "abc", start="dcb")
+    assert first == "dcb" and answers == ["wait", "wait", "wait", ("end", 0.75)] and env.get_reward() == 1.0
+    _, answers = play(env, "b" + tasks.TARGET * 3, start="bcb")
+    assert answers[-1] == ("end", 0.25) and env.get_reward() == 0.0
+    assert play(env, tasks.TARGET * 4, start="acb")[1][-1] == "end" and env.get_reward() == 1.0  # no bonus for a
 
 
+@needs_tool_parsing
 def test_a_lone_letter_is_parsed_as_a_call_and_anything_else_is_text():
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
@@ -108,6 +112,7 @@ def test_the_runner_skips_rows_it_has_and_counts_episodes_to_a_level(tmp_path):
 
 
 @pytest.mark.slow
+@needs_tool_parsing
 def test_one_update_of_the_runner_writes_a_row(tmp_path):
     import subprocess
 

@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gae_level", choices=("token", "turn"), default="token", help="With --estimator gae.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--updates", type=int, default=100)
+    parser.add_argument("--updates", type=int, default=200)
     parser.add_argument("--batch", type=int, default=16, help="Episodes per update.")
     parser.add_argument("--num_generations", type=int, default=4, help="Group size of the critic-free estimators.")
     parser.add_argument("--eval_episodes", type=int, default=64)

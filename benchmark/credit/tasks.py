@@ -13,8 +13,11 @@ when the early choice was right (`success`), else 0.0. An untrained policy that 
 * `Chain` (bsuite's umbrella chain, Osband et al. 2020): the first letter sets a switch; `length - 1` more turns
   where nothing said matters; the end pays 1.0 when the switch was `TARGET`. `length` (2, 4, 8) is the knob.
 * `RandomStart`: every episode starts from its own state, three letters drawn by the environment in `reset` (so
-  no two members of a group share one); the end (after `length` turns) pays 1.0 when the first letter said was
-  the state's first letter. `HELD_OUT` states are never drawn in training.
+  no two members of a group share one); the first letter said decides success as in `Chain` (`TARGET`, paid after
+  `length` turns), and the state adds its own payment at the end, `BONUS` x the place of its first letter in
+  `ACTIONS` (0 to 0.75), whatever is said: a return that differs by start, which a critic reading the state can
+  predict and a group baseline cannot pair. `HELD_OUT` states are never drawn in training. (A first version paid
+  for copying the state's first letter: neither GRPO nor turn-level GAE learnt it in 1,600-3,200 episodes.)
 
 Each environment draws its noise and start from its own `random.Random`, seeded from the row's `seed` and a
 per-process counter, so runs repeat; `reset(start=...)` fixes the start (evaluation).
@@ -29,6 +32,7 @@ from functools import partial
 ACTIONS = ("a", "b", "c", "d")
 PROMPT = "go"  # the user message; `reset` adds the first observation to it
 KEY, TARGET = "a", "c"
+BONUS = 0.25  # RandomStart's payment per place of its first letter
 STATES = ["".join(s) for s in itertools.product(ACTIONS, repeat=3)]  # RandomStart's 64 starts
 # 16 starts for evaluation only: 4 per first letter, every letter in every place among them
 HELD_OUT = [s for s in STATES if sum(map(ACTIONS.index, s[1:])) % 4 == ACTIONS.index(s[0])]
@@ -157,9 +161,11 @@ class RandomStart(Task):
 
     def _step(self, letter: str) -> tuple[str, float]:
         if len(self.said) == 1:
-            self.right = letter == self.state[0]
-        self.success = self.right and len(self.said) == self.steps
-        return "wait", 0.0
+            self.switch = letter
+        if len(self.said) < self.steps:
+            return "wait", 0.0
+        self.success = self.switch == TARGET
+        return "end", BONUS * ACTIONS.index(self.state[0])
 
 
 # name -> environment factory (`environment_factory=`), a zero-argument callable
