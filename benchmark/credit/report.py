@@ -28,12 +28,13 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         cells.setdefault((row["task"], method(row), row["lr"]), []).append(row)
     for (task, name, lr), mine in sorted(cells.items()):
-        start = f"{mean_sd([r['before']['greedy'] for r in mine])} / {mean_sd([r['before']['sampled'] for r in mine])}"
+        def both(when: str, mine=mine) -> tuple[str, str]:
+            return tuple(mean_sd([r[when][protocol] for r in mine]) for protocol in ("greedy", "sampled"))
+
         reach = ", ".join(str(r["episodes_to_0.8"] or "never") for r in mine)
         cpu = statistics.mean(r["cpu_seconds"] for r in mine)
-        lines.append(f"| {task} | {name} | {len(mine)} | {lr:g} | {start} | "
-                     f"{mean_sd([r['final']['greedy'] for r in mine])} | {mean_sd([r['final']['sampled'] for r in mine])}"
-                     f" | {reach} | {cpu:.0f} |")
+        lines.append(f"| {task} | {name} | {len(mine)} | {lr:g} | {' / '.join(both('before'))} | "
+                     f"{' | '.join(both('final'))} | {reach} | {cpu:.0f} |")
     return "\n".join(lines)
 
 

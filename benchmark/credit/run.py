@@ -1,13 +1,13 @@
 """One cell of the credit benchmark: one task x one estimator x one seed, trained and evaluated; a JSON row appended.
 
     OMP_NUM_THREADS=1 python benchmark/credit/run.py --task key_to_door --estimator grpo --seed 0 --out rows.jsonl
-    OMP_NUM_THREADS=1 python benchmark/credit/run.py --task chain_4 --estimator gae --gae_level turn --seed 0 \
-        --out rows.jsonl
+    OMP_NUM_THREADS=1 python benchmark/credit/run.py --task chain_4 --estimator gae --gae_level turn --out rows.jsonl
 
-A row already in `--out` for the same (task, estimator, gae_level, seed, learning rate, updates) is skipped, so a
-long sweep can be run again after a stop. The start is the task's SFT policy (`policy.train_sft`, cached in
-`--work_dir`); 'gae' runs with a value model (the SFT backbone, a fresh score head) and one sample per prompt, the
-critic-free estimators with `--num_generations` samples per prompt; every method sees `updates x batch` episodes.
+A row already in `--out` for the same task, estimator, gae_level, seed, learning rate, updates, batch and group
+size is skipped, so a long sweep can be run again after a stop. The start is the task's SFT policy
+(`policy.train_sft`, cached in `--work_dir`); 'gae' runs with a value model (the SFT backbone, a fresh score head)
+and one sample per prompt, the critic-free estimators with `--num_generations` samples per prompt; every method
+sees `updates x batch` episodes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tasks  # noqa: E402
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_baseline")
 LEVEL = 0.8  # the success level whose episodes-to-reach a row records
-KEY_FIELDS = ("task", "estimator", "gae_level", "seed", "lr", "updates")
+KEY_FIELDS = ("task", "estimator", "gae_level", "seed", "lr", "updates", "episodes_per_update", "num_generations")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.estimator != "gae":
         args.gae_level = None  # one advantage per episode: no level
+    else:
+        args.num_generations = None  # one sample per prompt
+    args.episodes_per_update = args.batch  # the row's name
     return args
 
 
@@ -80,7 +83,7 @@ def trainer(args, tokenizer, model, sft_path: str):
     from trl_ppo import PPOConfig, PPOTrainer
 
     critic = args.estimator == "gae"
-    groups = {} if critic else dict(num_generations=args.num_generations)
+    groups = dict(num_generations=args.num_generations) if args.num_generations else {}
     config = PPOConfig(
         output_dir=os.path.join(args.work_dir, "runs", f"{args.task}-{args.estimator}-{args.gae_level}-{args.seed}"),
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, learning_rate=args.lr,
@@ -131,7 +134,7 @@ def run(args) -> dict:
     return {
         "task": args.task, "estimator": args.estimator, "gae_level": args.gae_level, "seed": args.seed,
         "lr": args.lr, "updates": args.updates, "episodes_per_update": args.batch,
-        "num_generations": None if args.estimator == "gae" else args.num_generations,
+        "num_generations": args.num_generations,
         "success_curve": curve, "before": before, "final": after,
         f"episodes_to_{LEVEL}": episodes_to_reach(curve, args.batch),
         "cpu_seconds": round(time.process_time() - cpu, 1), "sft": settings.key(args.task),
@@ -141,7 +144,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    key = row_key({**vars(args), "lr": args.lr})
+    key = row_key(vars(args))
     if key in done_keys(args.out):
         print(f"skipped: a row for {dict(zip(KEY_FIELDS, key))} is already in {args.out}")
         return
