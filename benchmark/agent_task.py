@@ -253,6 +253,17 @@ def sft_step(model, optimizer, tokenizer, problems, sampler, tool_rate: float, d
     return loss.item()
 
 
+def one_cycle_sft(model, tokenizer, settings, make_examples, log=print, name: str = "SFT") -> None:
+    """`learning_task.one_cycle_steps` on the (ids, labels) examples `make_examples()` returns: next-token loss on
+    the labelled tokens, equally weighted."""
+    from learning_task import one_cycle_steps  # benchmark/ is on the path of the scripts that train
+
+    no_copies = torch.zeros(settings.batch_size, dtype=torch.bool)
+    digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))  # weight 1: no token counts more
+    one_cycle_steps(model, settings, lambda: sft_loss(model, sft_batch(tokenizer, make_examples()), no_copies,
+                                                      digits, 1.0), log, name, logs=4)
+
+
 # ---------------------------------------------------------------------------------------------- evaluation
 def model_sampler(model, tokenizer, temperature: float | None, batch_size: int = 50):
     """A `turn_loop.TurnSampler` with `model.generate`: greedy (`temperature` None) or sampled at `temperature`

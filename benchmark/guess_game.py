@@ -114,22 +114,13 @@ def train_sft(tokenizer, settings: SFTSettings, output_dir: str, log=print) -> s
     if os.path.exists(os.path.join(path, "done.json")):
         return path
     model = agent_task.build_policy(tokenizer, settings)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, settings.learning_rate, total_steps=settings.steps)
-    rng, no_copies = random.Random(settings.seed), torch.zeros(settings.batch_size, dtype=torch.bool)
-    digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))
-    model.train()
-    for step in range(settings.steps):
-        games = [random_game(rng.randint(LOW, HIGH), rng, settings.guesser) for _ in range(settings.batch_size)]
-        batch = agent_task.sft_batch(tokenizer, [agent_task.sft_example(tokenizer, g, [guess]) for g in games])
-        loss = agent_task.sft_loss(model, batch, no_copies, digits, 1.0)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if (step + 1) % max(1, settings.steps // 4) == 0:
-            log(f"SFT step {step + 1}/{settings.steps}: loss {loss.item():.4f}")
+    rng = random.Random(settings.seed)
+
+    def games() -> list:
+        played = [random_game(rng.randint(LOW, HIGH), rng, settings.guesser) for _ in range(settings.batch_size)]
+        return [agent_task.sft_example(tokenizer, g, [guess]) for g in played]
+
+    agent_task.one_cycle_sft(model, tokenizer, settings, games, log)
     return save_sft(model, tokenizer, settings, path)
 
 

@@ -229,22 +229,32 @@ def train_sft(tokenizer, pool: list[tuple[int, int]], settings: SFTSettings, out
     if os.path.exists(os.path.join(path, "done.json")):
         return path
     model = build_policy(tokenizer, settings)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, settings.learning_rate, total_steps=settings.steps)
     sampler = random.Random(settings.seed)
-    model.train()
-    for step in range(settings.steps):
+
+    def step_loss() -> torch.Tensor:
         problems = sampler.sample(pool, settings.batch_size)
         answers = [demonstration(a, b, sampler, settings.carry_slip) for a, b in problems]
-        loss = model(**sft_batch(tokenizer, problems, answers)).loss
+        return model(**sft_batch(tokenizer, problems, answers)).loss
+
+    one_cycle_steps(model, settings, step_loss, log)
+    return save_sft(model, tokenizer, settings, path)
+
+
+def one_cycle_steps(model, settings, step_loss, log=print, name: str = "SFT", logs: int = 5) -> None:
+    """`settings.steps` AdamW steps (a one-cycle schedule peaking at `settings.learning_rate`, gradients clipped to
+    norm 1), each on the loss `step_loss()` returns; the loss logged `logs` times."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, settings.learning_rate, total_steps=settings.steps)
+    model.train()
+    for step in range(settings.steps):
+        loss = step_loss()
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if (step + 1) % max(1, settings.steps // 5) == 0:
-            log(f"SFT step {step + 1}/{settings.steps}: loss {loss.item():.4f}")
-    return save_sft(model, tokenizer, settings, path)
+        if (step + 1) % max(1, settings.steps // logs) == 0:
+            log(f"{name} step {step + 1}/{settings.steps}: loss {loss.item():.4f}")
 
 
 def save_sft(model, tokenizer, settings, path: str) -> str:

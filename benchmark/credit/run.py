@@ -1,0 +1,159 @@
+"""One cell of the credit benchmark: one task x one estimator x one seed, trained and evaluated; a JSON row appended.
+
+    OMP_NUM_THREADS=1 python benchmark/credit/run.py --task key_to_door --estimator grpo --seed 0 --out rows.jsonl
+    OMP_NUM_THREADS=1 python benchmark/credit/run.py --task chain_4 --estimator gae --gae_level turn --out rows.jsonl
+
+A row already in `--out` for the same task, estimator, gae_level, seed, learning rate, updates, batch and group
+size is skipped, so a long sweep can be run again after a stop. The start is the task's SFT policy
+(`policy.train_sft`, cached in `--work_dir`); 'gae' runs with a value model (the SFT backbone, a fresh score head)
+and one sample per prompt, the critic-free estimators with `--num_generations` samples per prompt; every method
+sees `updates x batch` episodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tasks/policy here; agent_task, learning_task in benchmark/
+import policy  # noqa: E402
+import tasks  # noqa: E402
+
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_baseline")
+LEVEL = 0.8  # the success level whose episodes-to-reach a row records
+KEY_FIELDS = ("task", "estimator", "gae_level", "seed", "lr", "updates", "episodes_per_update", "num_generations")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=sorted(tasks.TASKS), required=True)
+    parser.add_argument("--estimator", choices=ESTIMATORS, required=True)
+    parser.add_argument("--gae_level", choices=("token", "turn"), default="token", help="With --estimator gae.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--updates", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=16, help="Episodes per update.")
+    parser.add_argument("--num_generations", type=int, default=4, help="Group size of the critic-free estimators.")
+    parser.add_argument("--eval_episodes", type=int, default=64)
+    parser.add_argument("--sft_steps", type=int, default=policy.SFTSettings.steps)
+    parser.add_argument("--out", required=True, help="JSONL file the row is appended to.")
+    parser.add_argument("--work_dir", default="/tmp/trl_ppo_credit", help="SFT policies and run folders.")
+    args = parser.parse_args(argv)
+    if args.estimator != "gae":
+        args.gae_level = None  # one advantage per episode: no level
+    else:
+        args.num_generations = None  # one sample per prompt
+    args.episodes_per_update = args.batch  # the row's name
+    return args
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(row.get(name) for name in KEY_FIELDS)
+
+
+def done_keys(path: str) -> set[tuple]:
+    """The keys of the rows already in `path` (none when it does not exist)."""
+    if not os.path.exists(path):
+        return set()
+    with open(path) as lines:
+        return {row_key(json.loads(line)) for line in lines if line.strip()}
+
+
+def budget(task: str) -> int:
+    """`response_length`: every turn fits (a letter and its stop token, then an observation of under 14 tokens)."""
+    return 16 * (tasks.TASKS[task]().steps + 1)
+
+
+def dataset(args):
+    from datasets import Dataset
+
+    rows = args.updates * args.batch  # one row per prompt; a group's members share a row (and draw their own start)
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": tasks.PROMPT}]] * rows,
+                              "seed": [args.seed * 1_000_000 + i for i in range(rows)]})
+
+
+def trainer(args, tokenizer, model, sft_path: str):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from trl_ppo import PPOConfig, PPOTrainer
+
+    critic = args.estimator == "gae"
+    groups = dict(num_generations=args.num_generations) if args.num_generations else {}
+    config = PPOConfig(
+        output_dir=os.path.join(args.work_dir, "runs", f"{args.task}-{args.estimator}-{args.gae_level}-{args.seed}"),
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, learning_rate=args.lr,
+        total_episodes=args.updates * args.batch, num_ppo_epochs=2, temperature=1.0, seed=args.seed,
+        response_length=budget(args.task), max_turns=tasks.TASKS[args.task]().steps + 1, stop_token="eos",
+        missing_eos_penalty=1.0, advantage_estimator=args.estimator, gae_level=args.gae_level or "token",
+        local_rollout_forward_batch_size=args.batch, num_sample_generations=0, save_strategy="no",
+        report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True, **groups,
+    )
+    value_model = None
+    if critic:
+        value_model = AutoModelForSequenceClassification.from_pretrained(sft_path, num_labels=1)
+        torch.manual_seed(args.seed)
+        torch.nn.init.normal_(value_model.score.weight, std=value_model.config.initializer_range)
+    return PPOTrainer(args=config, processing_class=tokenizer, model=model, ref_model=None, value_model=value_model,
+                      train_dataset=dataset(args), environment_factory=tasks.TASKS[args.task])
+
+
+def evaluation(model, tokenizer, args) -> dict:
+    common = dict(budget=budget(args.task), episodes=args.eval_episodes, seed=args.seed)
+    return {"greedy": policy.evaluate(model, tokenizer, args.task, temperature=None, **common)["success"],
+            "sampled": policy.evaluate(model, tokenizer, args.task, temperature=1.0, **common)["success"]}
+
+
+def episodes_to_reach(curve: list[float], per_update: int, level: float = LEVEL) -> int | None:
+    """Episodes until an update's training success first reached `level` (None: never)."""
+    return next(((update + 1) * per_update for update, value in enumerate(curve) if value >= level), None)
+
+
+def run(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    cpu = time.process_time()
+    tokenizer = tasks.build_tokenizer()
+    settings = policy.SFTSettings(steps=args.sft_steps)
+    sft_path = policy.train_sft(args.task, tokenizer, settings, os.path.join(args.work_dir, "sft"))
+    model = AutoModelForCausalLM.from_pretrained(sft_path)
+    before = evaluation(model, tokenizer, args)
+    train = trainer(args, tokenizer, model, sft_path)
+    train.train()
+    # The environment's score is 1.0 on success, 0.0 otherwise (turn rewards are separate): its batch mean is the
+    # share of the update's episodes that succeeded.
+    curve = [round(float(h["objective/scores/environment"]), 4) for h in train.state.log_history
+             if "objective/scores/environment" in h]
+    after = evaluation(model, tokenizer, args)
+    return {
+        "task": args.task, "estimator": args.estimator, "gae_level": args.gae_level, "seed": args.seed,
+        "lr": args.lr, "updates": args.updates, "episodes_per_update": args.batch,
+        "num_generations": args.num_generations,
+        "success_curve": curve, "before": before, "final": after,
+        f"episodes_to_{LEVEL}": episodes_to_reach(curve, args.batch),
+        "cpu_seconds": round(time.process_time() - cpu, 1), "sft": settings.key(args.task),
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    key = row_key(vars(args))
+    if key in done_keys(args.out):
+        print(f"skipped: a row for {dict(zip(KEY_FIELDS, key))} is already in {args.out}")
+        return
+    row = run(args)
+    with open(args.out, "a") as out:
+        out.write(json.dumps(row) + "\n")
+    print(f"{args.task} {args.estimator} {args.gae_level or ''} seed {args.seed}: success {row['before']} -> "
+          f"{row['final']}, curve {row['success_curve']}, {row['cpu_seconds']}s CPU")
+
+
+if __name__ == "__main__":
+    main()

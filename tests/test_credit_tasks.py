@@ -1,0 +1,128 @@
+"""The credit tasks (benchmark/credit/): their rules on hand-played episodes, the one-letter chat format read back
+as calls, the runner's resume and summary, and (slow) one update of the runner end to end."""
+
+import json
+import os
+import random
+import sys
+
+import pytest
+from conftest import REPO_ROOT, needs_tool_parsing
+
+sys.path[:0] = [os.path.join(REPO_ROOT, "benchmark", "credit"), os.path.join(REPO_ROOT, "benchmark")]
+import tasks  # noqa: E402
+
+
+def play(env: tasks.Task, letters: str, start=None, seed=0) -> tuple[str, list]:
+    """Reset `env`, say `letters` one by one -> (the first observation, each tool answer)."""
+    first = env.reset(seed=seed, start=start)
+    return first, [getattr(env, letter)() for letter in letters]
+
+
+def test_key_to_door_pays_at_the_door_only_when_the_key_was_taken_first():
+    env = tasks.KeyToDoor(distractors=2)
+    first, answers = play(env, "abcd")
+    assert first == "key" and [a if isinstance(a, str) else a[0] for a in answers] == ["apple", "apple", "door", "end"]
+    assert env.success and env.get_reward() == 1.0
+    play(env, "bacd")  # the key not taken in the first room: saying its letter later does nothing
+    assert not env.success and env.get_reward() == 0.0
+    play(env, "abc")  # stopped before the door
+    assert env.get_reward() == 0.0
+
+
+def test_key_to_door_distractor_rewards_are_small_noise_whatever_is_said():
+    rewards = []
+    for seed in range(40):
+        env = tasks.KeyToDoor(distractors=4)
+        _, answers = play(env, random.Random(seed).choice(["aaaaaa", "bcdbcd"]), seed=seed)
+        assert answers[0] == "apple" and not isinstance(answers[-1], tuple)  # none in the key's room nor the door's
+        rewards += [a[1] if isinstance(a, tuple) else 0.0 for a in answers[1:5]]
+    assert set(rewards) == {0.0, 0.1, 0.2}
+
+
+@pytest.mark.parametrize("length", [2, 4, 8])
+def test_the_chain_pays_for_its_first_letter_only_at_its_end(length):
+    env = tasks.Chain(length)
+    _, answers = play(env, tasks.TARGET + "a" * (length - 1))
+    assert answers == ["wait"] * (length - 1) + ["end"] and env.get_reward() == 1.0
+    play(env, tasks.TARGET + "a" * (length - 2))  # one turn short
+    assert env.get_reward() == 0.0
+    play(env, "b" + tasks.TARGET * (length - 1))
+    assert env.get_reward() == 0.0
+    assert getattr(env, "a")() == "end" and env.get_reward() == 0.0  # past the end nothing changes
+
+
+def test_random_start_draws_its_own_training_state_and_pays_a_bonus_by_state_besides_the_first_letter():
+    starts = set()
+    for _ in range(200):
+        env = tasks.RandomStart(4)
+        starts.add(env.reset(seed=7))  # the same row for all: a group's members still get their own states
+    assert starts <= set(tasks.TRAIN_STATES) and len(starts) > 30
+    assert not starts & set(tasks.HELD_OUT) and len(tasks.HELD_OUT) == 16
+    assert {s[0] for s in tasks.HELD_OUT} == set(tasks.ACTIONS)
+    env = tasks.RandomStart(4)
+    first, answers = play(env, tasks.TARGET + "abc", start="dcb")
+    assert first == "dcb" and answers == ["wait", "wait", "wait", ("end", 0.75)] and env.get_reward() == 1.0
+    _, answers = play(env, "b" + tasks.TARGET * 3, start="bcb")
+    assert answers[-1] == ("end", 0.25) and env.get_reward() == 0.0
+    assert play(env, tasks.TARGET * 4, start="acb")[1][-1] == "end" and env.get_reward() == 1.0  # no bonus for a
+
+
+@needs_tool_parsing
+def test_a_lone_letter_is_parsed_as_a_call_and_anything_else_is_text():
+    from trl_ppo.agents.chat import ToolChat
+    from trl_ppo.agents.tools import schemas, toolbox
+
+    tokenizer = tasks.build_tokenizer()
+    chat = ToolChat(tokenizer, schemas(toolbox([], tasks.Chain(2))), tokenizer.eos_token_id)  # its checks pass
+    prefix = tokenizer.encode("<|im_start|>ugo<|im_end|><|im_start|>a")
+    parsed = {turn: chat.parse_tool_calls(tokenizer.encode(turn + "<|im_end|>"), prefix)
+              for turn in ("b", "", "x", "ab", "wait")}
+    assert [call.name for call in parsed["b"][0]] == ["b"]
+    assert all(calls == [] and not failed for turn, (calls, failed) in parsed.items() if turn != "b")
+    assert tokenizer.decode(chat.answer_ids([_result("b", "wait")]).ids) == "<|im_start|>owait<|im_end|><|im_start|>a"
+
+
+def _result(name, content):
+    from trl_ppo.agents.execution import ToolResult
+
+    return ToolResult(name=name, content=content)
+
+
+def test_random_episodes_render_one_letter_per_turn_and_end_on_an_empty_turn():
+    rng = random.Random(0)
+    messages = tasks.random_episode(tasks.Chain(4), rng)
+    calls = [m["tool_calls"][0]["function"]["name"] for m in messages if m.get("tool_calls")]
+    assert len(calls) == 4 and set(calls) <= set(tasks.ACTIONS) and messages[-1] == {"role": "assistant", "content": ""}
+    firsts = [tasks.random_episode(tasks.Chain(2), rng)[1]["tool_calls"][0]["function"]["name"] for _ in range(400)]
+    assert all(60 < firsts.count(letter) < 140 for letter in tasks.ACTIONS)  # uniform: success 1 in 4
+
+
+def test_the_runner_skips_rows_it_has_and_counts_episodes_to_a_level(tmp_path):
+    run = pytest.importorskip("run")
+    assert run.episodes_to_reach([0.2, 0.5, 0.85, 0.7], 16) == 48
+    assert run.episodes_to_reach([0.2, 0.5], 16) is None
+    out = tmp_path / "rows.jsonl"
+    args = run.parse_args(["--task", "chain_2", "--estimator", "rloo", "--gae_level", "turn", "--out", str(out)])
+    assert args.gae_level is None  # a critic-free row has no GAE level
+    row = {"task": "chain_2", "estimator": "rloo", "gae_level": None, "seed": 0, "lr": args.lr, "updates": args.updates,
+           "episodes_per_update": 16, "num_generations": 4}
+    out.write_text(json.dumps(row) + "\n")
+    assert run.row_key(row) == run.row_key(vars(args))
+    run.main(["--task", "chain_2", "--estimator", "rloo", "--out", str(out)])  # would train for minutes otherwise
+    assert len(out.read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+@needs_tool_parsing
+def test_one_update_of_the_runner_writes_a_row(tmp_path):
+    import subprocess
+
+    out = tmp_path / "rows.jsonl"
+    command = [sys.executable, os.path.join(REPO_ROOT, "benchmark", "credit", "run.py"), "--task", "key_to_door",
+               "--estimator", "grpo", "--updates", "1", "--batch", "8", "--eval_episodes", "8", "--sft_steps", "2",
+               "--out", str(out), "--work_dir", str(tmp_path)]
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    row = json.loads(out.read_text())
+    assert row["task"] == "key_to_door" and len(row["success_curve"]) == 1 and row["cpu_seconds"] > 0
+    assert set(row["final"]) == {"greedy", "sampled"} and 0.0 <= row["final"]["sampled"] <= 1.0
