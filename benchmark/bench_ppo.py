@@ -182,7 +182,7 @@ def measure(cli) -> dict:
     )
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train(resume_from_checkpoint=True if cli.resume else None)
+    trainer.train(**({"resume_from_checkpoint": True} if cli.resume else {}))  # TRL's `train()` takes no such argument
     steady = log.times[2:]  # from the end of the warm-up update
     seconds = steady[-1] - log.times[1]
     if on_gpu:
