@@ -70,8 +70,6 @@ def test_a_warm_start_trains_saves_and_is_reused(tmp_path):
 
 def test_held_out_episodes_are_played_with_both_tools_and_scored(monkeypatch):
     """The evaluation's wiring, with a scripted model: two calls, then the answer copied from the second."""
-    import agent_task
-
     tokenizer = chatml_tokenizer()
     problems = warm.split_problems()[0][:2]
     scripts = {}
@@ -92,7 +90,8 @@ def test_held_out_episodes_are_played_with_both_tools_and_scored(monkeypatch):
 
         return sample_turn
 
-    monkeypatch.setattr(agent_task, "model_sampler", sampler)
+    monkeypatch.setattr(warm.agent_task, "model_sampler", sampler)  # the module the script holds (another may be
+    # in sys.modules, loaded again by an earlier test)
     result = warm.evaluate(torch.nn.Linear(1, 1), tokenizer, problems, budget=400)
     assert result["success"] == 1.0 and result["tool_call_rate"] == 1.0
     assert all(len(turns) == 3 for turns in scripts.values()) and len(scripts) == 2
