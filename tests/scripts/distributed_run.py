@@ -179,3 +179,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed
+
+    if torch.distributed.is_initialized():  # an undestroyed gloo group may abort the exit ("terminate called without
+        torch.distributed.destroy_process_group()  # an active exception", seen twice in a loaded `make test`)
