@@ -1,5 +1,6 @@
 """Critic-free advantage estimators over groups of episodes, as small pure tensor functions (no models, no I/O):
-GRPO (and Dr. GRPO), RLOO and REINFORCE++ with a group baseline. GAE, the estimator with a critic, is in `ppo.py`.
+GRPO (and Dr. GRPO), RLOO and REINFORCE++ with a group baseline. GAE, the estimator with a critic, is in `ppo.py`;
+`advantages_for` picks one of them by the run's settings, for the trainer and for recomputed trajectories alike.
 
 A group is `group_size` consecutive episodes of a batch: the samples of one prompt (the data side repeats each
 prompt `num_generations` times, and every process's batch holds whole groups). An episode is a member of its group
@@ -139,6 +140,34 @@ def group_advantages(
     else:
         raise ValueError(f"Unknown critic-free `advantage_estimator` {estimator!r}: use one of {CRITIC_FREE}.")
     return ppo.Advantages(advantages.masked_fill(~response_mask, 0.0), None)
+
+
+def advantages_for(
+    settings,
+    token_rewards: torch.Tensor,
+    kl_rewards: torch.Tensor | None,
+    shaped_scores: torch.Tensor | None,
+    turn_rewards: torch.Tensor | None,
+    values: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    truncated: torch.Tensor | None,
+) -> ppo.Advantages:
+    """The advantages of a batch by the estimator `settings` names (a config, or the settings written with
+    trajectory records; both the trainer and `trajectories.recompute` call this): GAE (`ppo.advantages_and_returns`,
+    token- or turn-level, truncated episodes bootstrapped from V with `truncated_episodes="bootstrap"`), or a
+    critic-free group estimate (`group_advantages`, from the shaped scores, per-turn rewards and KL rewards).
+    token_rewards, kl_rewards, values, response_mask `[B, T]`; shaped_scores, truncated `[B]`; turn_rewards `[B, K]`."""
+    estimator = getattr(settings, "advantage_estimator", "gae")  # records of an older trl_ppo are GAE's
+    if not uses_critic(estimator):
+        returns = episode_returns(shaped_scores, turn_rewards)
+        return group_advantages(estimator, returns, kl_rewards, response_mask, settings.num_generations,
+                                settings.scale_rewards)  # fmt: skip
+    if getattr(settings, "truncated_episodes", None) == "bootstrap" and truncated is not None:
+        token_rewards = ppo.bootstrap_truncated_rewards(token_rewards, values, response_mask, truncated,
+                                                        settings.gamma)  # fmt: skip
+    lambdas = (settings.lam, settings.lam_value, settings.length_adaptive_lam_alpha)
+    return ppo.advantages_and_returns(token_rewards, values, response_mask, settings.gamma, *lambdas,
+                                      settings.gae_level)  # fmt: skip
 
 
 def frac_reward_zero_std(returns: torch.Tensor, members: torch.Tensor, group_size: int) -> torch.Tensor:

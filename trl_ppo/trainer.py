@@ -252,16 +252,9 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
         `[B, T]` (decoupled or length-adaptive lambdas with `lam_value` / `length_adaptive_lam_alpha`; truncated
         episodes bootstrapped from V with `truncated_episodes="bootstrap"`). A critic-free `advantage_estimator`:
         its group estimate over each run of `num_generations` episodes instead, and no returns (`estimators`)."""
-        args, mask, token_rewards = self.args, rollout.response_mask, rewards.rewards
-        if not estimators.uses_critic(args.advantage_estimator):
-            returns = estimators.episode_returns(rewards.shaped_scores, rollout.turn_rewards)
-            return estimators.group_advantages(args.advantage_estimator, returns, rewards.non_score_rewards, mask,
-                                               args.num_generations, args.scale_rewards)
-        if args.truncated_episodes == "bootstrap" and rollout.truncated is not None:
-            token_rewards = ppo.bootstrap_truncated_rewards(token_rewards, rollout.values, mask, rollout.truncated,
-                                                            args.gamma)
-        lambdas = (args.lam, args.lam_value, args.length_adaptive_lam_alpha)
-        return ppo.advantages_and_returns(token_rewards, rollout.values, mask, args.gamma, *lambdas, args.gae_level)
+        return estimators.advantages_for(self.args, rewards.rewards, rewards.non_score_rewards, rewards.shaped_scores,
+                                         rollout.turn_rewards, rollout.values, rollout.response_mask,
+                                         rollout.truncated)  # fmt: skip
 
     def trained_episodes(self, rollout: Rollout) -> Rollout:
         """The rollout the update trains on: with `truncated_episodes="mask"`, its truncated episodes left out of

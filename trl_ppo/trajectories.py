@@ -21,6 +21,7 @@ import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -165,20 +166,13 @@ def recompute_advantages(records: list[dict], mask: torch.Tensor) -> ppo.Advanta
     """The advantages (and returns) of one update's records, with the estimator and settings written with them:
     GAE from the logged rewards and values, or a group estimator from the shaped scores, per-turn rewards and KL
     rewards (`estimators.group_advantages`; records of an older trl_ppo are GAE's)."""
-    settings, width = records[0]["settings"], mask.size(1)
-    estimator = settings.get("advantage_estimator", "gae")
-    if not estimators.uses_critic(estimator):
-        shaped = torch.tensor([r["shaped_score"] for r in records])
-        turns = None if records[0]["turn_rewards"] is None else torch.tensor([r["turn_rewards"] for r in records])
-        returns = estimators.episode_returns(shaped, turns)
-        kl_rewards, group_size = padded_rows(records, "non_score_rewards", width), settings["num_generations"]
-        return estimators.group_advantages(estimator, returns, kl_rewards, mask, group_size, settings["scale_rewards"])
-    rewards, values = padded_rows(records, "rewards", width), padded_rows(records, "values", width)
-    if settings.get("truncated_episodes") == "bootstrap":  # the logged rewards are before the bootstrap term
-        truncated = torch.tensor([bool(r.get("truncated")) for r in records])
-        rewards = ppo.bootstrap_truncated_rewards(rewards, values, mask, truncated, settings["gamma"])
-    lambdas = (settings["lam"], settings["lam_value"], settings["length_adaptive_lam_alpha"])
-    return ppo.advantages_and_returns(rewards, values, mask, settings["gamma"], *lambdas, settings["gae_level"])
+    settings, width = SimpleNamespace(**records[0]["settings"]), mask.size(1)
+    shaped = None if records[0].get("shaped_score") is None else torch.tensor([r["shaped_score"] for r in records])
+    turns = None if records[0]["turn_rewards"] is None else torch.tensor([r["turn_rewards"] for r in records])
+    truncated = torch.tensor([bool(r.get("truncated")) for r in records])  # the logged rewards are before bootstrap
+    token_rewards, kl_rewards = padded_rows(records, "rewards", width), padded_rows(records, "non_score_rewards", width)
+    return estimators.advantages_for(settings, token_rewards, kl_rewards, shaped, turns,
+                                     padded_rows(records, "values", width), mask, truncated)  # fmt: skip
 
 
 def recompute(records: list[dict]) -> Recomputed:
