@@ -126,3 +126,28 @@ def test_one_update_of_the_runner_writes_a_row(tmp_path):
     row = json.loads(out.read_text())
     assert row["task"] == "key_to_door" and len(row["success_curve"]) == 1 and row["cpu_seconds"] > 0
     assert set(row["final"]) == {"greedy", "sampled"} and 0.0 <= row["final"]["sampled"] <= 1.0
+
+
+def test_trl_accepts_the_one_letter_format_as_a_tool_calling_template():
+    """TRL's GRPOTrainer refuses a chat template that drops a call's arguments; the letters take none, but the
+    cross-check (trl_grpo.py) needs the format to pass TRL's check."""
+    chat_template_utils = pytest.importorskip("trl.chat_template_utils")
+    assert chat_template_utils.supports_tool_calling(tasks.build_tokenizer())
+
+
+@pytest.mark.slow
+@needs_tool_parsing
+def test_the_trl_cross_check_writes_a_row_counted_from_the_environments(tmp_path):
+    import subprocess
+
+    pytest.importorskip("trl")
+    out = tmp_path / "rows.jsonl"
+    command = [sys.executable, os.path.join(REPO_ROOT, "benchmark", "credit", "trl_grpo.py"), "--task", "chain_2",
+               "--updates", "2", "--batch", "8", "--eval_episodes", "8", "--sft_steps", "2", "--out", str(out),
+               "--work_dir", str(tmp_path)]
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    row = json.loads(out.read_text())
+    assert row["estimator"] == "trl_grpo" and row["trainer"].startswith("trl ") and row["episodes"] == 16
+    assert len(row["success_curve"]) == 2 and all(0.0 <= s <= 1.0 for s in row["success_curve"])
+    refused = subprocess.run([*command[:3], "key_to_door", *command[4:]], capture_output=True, text=True)
+    assert refused.returncode != 0 and "pays per turn" in refused.stderr

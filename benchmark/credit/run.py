@@ -76,6 +76,11 @@ def dataset(args):
                               "seed": [args.seed * 1_000_000 + i for i in range(rows)]})
 
 
+def run_dir(args) -> str:
+    """The cell's own folder: cells that run side by side must not share one (trl_ppo's run lock refuses that)."""
+    return os.path.join(args.work_dir, "runs", f"{args.task}-{args.estimator}-{args.gae_level}-{args.seed}-{args.lr:g}")
+
+
 def trainer(args, tokenizer, model, sft_path: str):
     import torch
     from transformers import AutoModelForSequenceClassification
@@ -85,7 +90,7 @@ def trainer(args, tokenizer, model, sft_path: str):
     critic = args.estimator == "gae"
     groups = dict(num_generations=args.num_generations) if args.num_generations else {}
     config = PPOConfig(
-        output_dir=os.path.join(args.work_dir, "runs", f"{args.task}-{args.estimator}-{args.gae_level}-{args.seed}"),
+        output_dir=run_dir(args),
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, learning_rate=args.lr,
         total_episodes=args.updates * args.batch, num_ppo_epochs=2, temperature=1.0, seed=args.seed,
         response_length=budget(args.task), max_turns=tasks.TASKS[args.task]().steps + 1, stop_token="eos",

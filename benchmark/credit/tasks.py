@@ -40,12 +40,14 @@ TRAIN_STATES = [s for s in STATES if s not in HELD_OUT]
 _EPISODES = itertools.count()  # distinct draws for the members of a group, which share a row
 
 # A system line naming the letters, the user's prompt, then turns of one letter each; roles are one byte (`a`
-# assistant, `o` observation, `u` user, `s` system) so an episode of 8 turns stays under 100 tokens.
+# assistant, `o` observation, `u` user, `s` system) so an episode of 8 turns stays under 100 tokens. The letters
+# take no arguments; a call's arguments would render as ` key=value` (TRL's GRPOTrainer checks that they render).
 CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>s{% for tool in tools %} {{ tool.function.name }}{% endfor %}<|im_end|>{% endif %}"
     "{% for message in messages %}{% if message.role == 'assistant' %}<|im_start|>a{{ message.content or '' }}"
     "{% for call in message.tool_calls or [] %}{{ call.function.name }}"
-    "{% for value in (call.function.arguments or {}).values() %} {{ value }}{% endfor %}{% endfor %}<|im_end|>"
+    "{% for key, value in (call.function.arguments or {}).items() %} {{ key }}={{ value }}{% endfor %}{% endfor %}"
+    "<|im_end|>"
     "{% else %}<|im_start|>{{ 'o' if message.role == 'tool' else 'u' }}{{ message.content }}<|im_end|>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>a{% endif %}"
 )

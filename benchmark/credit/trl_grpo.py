@@ -1,0 +1,102 @@
+"""The cross-check (issue 42, part 3): TRL 1.12's GRPOTrainer on a credit task, from the same SFT start, with the
+same budget, group size, epochs and learning rate as `run.py --estimator grpo`; one row in run.py's format.
+
+    OMP_NUM_THREADS=1 python benchmark/credit/trl_grpo.py --task chain_4 --seed 0 --lr 1e-3 --out rows.jsonl
+
+TRL's GRPO gets the environment unchanged (`environment_factory`; its `get_reward` is the reward, as TRL reads
+it), `num_generations` samples per prompt, `num_iterations` = run.py's 2 PPO epochs (one generation serves two
+optimizer steps), and TRL's own defaults for everything that is its algorithm (its loss type, no KL term: beta 0,
+clipping 0.2). The success curve is counted from the environments themselves (each `get_reward` call, in
+batches of `--batch` episodes), so both trainers' curves mean the same thing. Only tasks without turn rewards fit
+(TRL reads a tool's answer as text): the chains and random_start. The row's estimator is "trl_grpo".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from functools import partial
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+import policy  # noqa: E402
+import run  # noqa: E402  (run.py's arguments, dataset, evaluation and row keys)
+import tasks  # noqa: E402
+
+TURN_REWARDS = ("key_to_door",)  # tools that pay per turn: TRL would read the (observation, reward) pair as text
+
+
+def recording(task: str, outcomes: list[float]):
+    """The task's environment factory, its environments appending each `get_reward()` to `outcomes` (a subclass:
+    TRL looks for `get_reward` on the environment's class)."""
+    factory = tasks.TASKS[task]  # a partial of the environment class
+
+    class Recorded(factory.func):
+        def get_reward(self) -> float:
+            outcomes.append(super().get_reward())
+            return outcomes[-1]
+
+    Recorded.__name__ = factory.func.__name__  # TRL logs the reward under the class name
+    return partial(Recorded, *factory.args, **factory.keywords)
+
+
+def trainer(args, tokenizer, model, outcomes: list[float]):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    config = GRPOConfig(
+        output_dir=run.run_dir(args),
+        per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, learning_rate=args.lr,
+        max_steps=args.updates * 2, num_iterations=2, num_generations=args.num_generations, temperature=1.0,
+        max_completion_length=run.budget(args.task), max_tool_calling_iterations=tasks.TASKS[args.task]().steps,
+        seed=args.seed, save_strategy="no", report_to="none", logging_steps=1, bf16=False, use_cpu=True,
+        disable_tqdm=True,
+    )
+    rows = run.dataset(args)  # one row per prompt, each with its seed; TRL appends `reset`'s text to the prompt
+    prompts = [[{"role": "user", "content": f"{tasks.PROMPT}\n\n"}]] * len(rows)  # as trl_ppo's runner joins them
+    data = Dataset.from_dict({"prompt": prompts, "seed": rows["seed"]})
+    return GRPOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer,
+                       environment_factory=recording(args.task, outcomes))
+
+
+def main(argv=None) -> None:
+    args = run.parse_args(["--estimator", "grpo", *(argv if argv is not None else sys.argv[1:])])
+    if args.task in TURN_REWARDS:
+        raise SystemExit(f"{args.task} pays per turn through its tools, which TRL reads as text: use another task")
+    args.estimator = "trl_grpo"
+    if run.row_key(vars(args)) in run.done_keys(args.out):
+        print(f"skipped: the row is already in {args.out}")
+        return
+    import torch
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    torch.set_num_threads(1)
+    cpu = time.process_time()
+    tokenizer = tasks.build_tokenizer()
+    sft_path = policy.train_sft(args.task, tokenizer, policy.SFTSettings(steps=args.sft_steps),
+                                os.path.join(args.work_dir, "sft"))
+    model = AutoModelForCausalLM.from_pretrained(sft_path)
+    before = run.evaluation(model, tokenizer, args)
+    outcomes: list[float] = []
+    trainer(args, tokenizer, model, outcomes).train()
+    curve = [round(sum(outcomes[i:i + args.batch]) / args.batch, 4) for i in range(0, len(outcomes), args.batch)]
+    row = {
+        "task": args.task, "estimator": "trl_grpo", "gae_level": None, "seed": args.seed, "lr": args.lr,
+        "updates": args.updates, "episodes_per_update": args.batch, "num_generations": args.num_generations,
+        "success_curve": curve, "before": before, "final": run.evaluation(model, tokenizer, args),
+        f"episodes_to_{run.LEVEL}": run.episodes_to_reach(curve, args.batch),
+        "cpu_seconds": round(time.process_time() - cpu, 1), "episodes": len(outcomes),
+        "trainer": f"trl {trl.__version__}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+    }
+    with open(args.out, "a") as out:
+        out.write(json.dumps(row) + "\n")
+    print(f"{args.task} TRL GRPO seed {args.seed}: {before} -> {row['final']}, curve {curve}, "
+          f"{row['cpu_seconds']}s CPU")
+
+
+if __name__ == "__main__":
+    main()
