@@ -6,6 +6,10 @@ sampled on held-out starts; mean ± sd over seeds), episodes to reach 0.8 per se
 
 The best learning rate of a method is chosen on seed 0 over all tasks: the rate whose runs reached 0.8 on the most
 tasks, then the fewest episodes to get there summed over tasks (a run that never did counts its whole budget).
+Given the rows of a sweep (several rates on seed 0), the report prints the sweep's table, then the table, the
+summary per method and (`--plot PNG`) the learning curves of the chosen rates only.
+
+    python benchmark/credit/report.py rows.jsonl --plot curves.png
 """
 
 from __future__ import annotations
@@ -42,33 +46,114 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def best_lr(rows: list[dict], flags: str) -> float:
-    """The learning rate of the method `flags` names (as sweep.sh spells it: "gae --gae_level turn", "rloo")."""
+def flags_to_method(flags: str) -> str:
+    """sweep.sh's spelling of a method ("gae --gae_level turn", "rloo") -> its name in the table."""
     words = flags.split()
-    name = f"gae ({words[words.index('--gae_level') + 1]})" if words[0] == "gae" else words[0]
+    return f"gae ({words[words.index('--gae_level') + 1]})" if words[0] == "gae" else words[0]
+
+
+def seed0_by_lr(rows: list[dict], name: str) -> dict[float, list[dict]]:
     by_lr: dict[float, list[dict]] = {}
     for row in rows:
         if method(row) == name and row["seed"] == 0:
             by_lr.setdefault(row["lr"], []).append(row)
+    return by_lr
+
+
+def rank(runs: list[dict]) -> tuple[int, int]:
+    """(minus the tasks that reached 0.8, episodes to get there summed over tasks, a run that never did counting its
+    whole budget): smaller is better."""
+    reached = [r["episodes_to_0.8"] for r in runs]
+    budget = [r["updates"] * r["episodes_per_update"] for r in runs]
+    return (-sum(e is not None for e in reached), sum(e if e is not None else b for e, b in zip(reached, budget)))
+
+
+def best_lr(rows: list[dict], name: str) -> float:
+    """The learning rate of method `name` whose seed-0 runs rank best (`rank`)."""
+    by_lr = seed0_by_lr(rows, name)
     if not by_lr:
         raise SystemExit(f"no seed-0 rows of {name!r}: run the learning-rate sweep first")
+    return min(sorted(by_lr), key=lambda lr: rank(by_lr[lr]))
 
-    def rank(lr: float) -> tuple[int, int]:
-        reached = [r["episodes_to_0.8"] for r in by_lr[lr]]
-        budget = [r["updates"] * r["episodes_per_update"] for r in by_lr[lr]]
-        return (-sum(e is not None for e in reached), sum(e if e is not None else b for e, b in zip(reached, budget)))
 
-    return min(sorted(by_lr), key=rank)
+def sweep_table(rows: list[dict]) -> str:
+    """Seed 0, every method x learning rate: what `best_lr` ranks by, and the final sampled success."""
+    lines = ["| method | lr | tasks reaching 0.8 | episodes to 0.8, summed over tasks | final sampled, mean over tasks |",
+             "|---" * 5 + "|"]
+    for name in sorted({method(r) for r in rows}):
+        by_lr, chosen = seed0_by_lr(rows, name), best_lr(rows, name)
+        for lr, runs in sorted(by_lr.items()):
+            reached, episodes = rank(runs)
+            final = statistics.mean(r["final"]["sampled"] for r in runs)
+            mark = " (chosen)" if lr == chosen else ""
+            lines.append(f"| {name} | {lr:g}{mark} | {-reached} of {len(runs)} | {episodes} | {final:.2f} |")
+    return "\n".join(lines)
+
+
+def chosen(rows: list[dict]) -> list[dict]:
+    """The rows at each method's chosen learning rate (the table's)."""
+    rates = {name: best_lr(rows, name) for name in {method(r) for r in rows}}
+    return [r for r in rows if r["lr"] == rates[method(r)]]
+
+
+def summary(rows: list[dict]) -> str:
+    """Per method over all tasks and seeds: final sampled success, runs that never reached 0.8, median episodes."""
+    lines = ["| method | runs | final sampled (mean ± sd) | never reached 0.8 | median episodes to 0.8 |",
+             "|---" * 5 + "|"]
+    for name in sorted({method(r) for r in rows}):
+        mine = [r for r in rows if method(r) == name]
+        reached = [r["episodes_to_0.8"] for r in mine if r["episodes_to_0.8"] is not None]
+        median = f"{statistics.median(reached):.0f}" if reached else "-"
+        lines.append(f"| {name} | {len(mine)} | {mean_sd([r['final']['sampled'] for r in mine])} | "
+                     f"{len(mine) - len(reached)} | {median} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, smooth: int = 10) -> None:
+    """One panel per task: each method's training success (mean over seeds, moving mean of `smooth` updates)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, task_names = sorted({method(r) for r in rows}), sorted({r["task"] for r in rows})
+    figure, axes = plt.subplots(1, len(task_names), figsize=(4 * len(task_names), 3.4), sharey=True)
+    for axis, task in zip(list(getattr(axes, "flat", [axes])), task_names):
+        for name in names:
+            curves = [r["success_curve"] for r in rows if r["task"] == task and method(r) == name]
+            if not curves:
+                continue
+            steps = min(map(len, curves))
+            mean = [statistics.mean(c[i] for c in curves) for i in range(steps)]
+            moving = [statistics.mean(mean[max(0, i - smooth + 1):i + 1]) for i in range(steps)]
+            per_update = next(r["episodes_per_update"] for r in rows if r["task"] == task and method(r) == name)
+            axis.plot([(i + 1) * per_update for i in range(steps)], moving, label=f"{name} ({len(curves)})")
+        axis.set_title(task)
+        axis.set_xlabel("episodes")
+        axis.axhline(0.8, color="grey", linewidth=0.5)
+    axes.flat[0].set_ylabel("training success")
+    axes.flat[-1].legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows", help="JSONL file of run.py rows")
     parser.add_argument("--best_lr", metavar="METHOD", help="print the best seed-0 learning rate of METHOD only")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the learning curves at the chosen rates")
     args = parser.parse_args(argv)
     with open(args.rows) as lines:
         rows = [json.loads(line) for line in lines if line.strip()]
-    print(f"{best_lr(rows, args.best_lr):g}" if args.best_lr else table(rows))
+    if args.best_lr:
+        print(f"{best_lr(rows, flags_to_method(args.best_lr)):g}")
+        return
+    if len({r["lr"] for r in rows if r["seed"] == 0}) > 1:  # a learning-rate sweep: its table, then the chosen rates'
+        print(sweep_table(rows) + "\n")
+        rows = chosen(rows)
+    print(table(rows) + "\n\n" + summary(rows))
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":
