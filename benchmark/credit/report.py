@@ -20,7 +20,10 @@ import statistics
 
 
 def method(row: dict) -> str:
-    return f"gae ({row['gae_level']})" if row["estimator"] == "gae" else row["estimator"]
+    """The method's name in the table, with its extra config fields (run.py --config) where it has any."""
+    name = f"gae ({row['gae_level']})" if row["estimator"] == "gae" else row["estimator"]
+    extra = ", ".join(f"{k}={v}" for k, v in (row.get("config") or {}).items())
+    return f"{name} {extra}" if extra else name
 
 
 def mean_sd(values: list[float]) -> str:

@@ -25,7 +25,8 @@ import tasks  # noqa: E402
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_baseline")
 LEVEL = 0.8  # the success level whose episodes-to-reach a row records
-KEY_FIELDS = ("task", "estimator", "gae_level", "seed", "lr", "updates", "episodes_per_update", "num_generations")
+KEY_FIELDS = ("task", "estimator", "gae_level", "seed", "lr", "updates", "episodes_per_update", "num_generations",
+              "config")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num_generations", type=int, default=4, help="Group size of the critic-free estimators.")
     parser.add_argument("--eval_episodes", type=int, default=64)
     parser.add_argument("--sft_steps", type=int, default=policy.SFTSettings.steps)
+    parser.add_argument("--config", nargs="+", metavar="FIELD=VALUE", help="More PPOConfig fields (e.g. lam=1.0 "
+                        "critic_warmup_steps=20), in the row and its key: the critic's variants of part 4.")
     parser.add_argument("--out", required=True, help="JSONL file the row is appended to.")
     parser.add_argument("--work_dir", default="/tmp/trl_ppo_credit", help="SFT policies and run folders.")
     args = parser.parse_args(argv)
@@ -48,11 +51,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     else:
         args.num_generations = None  # one sample per prompt
     args.episodes_per_update = args.batch  # the row's name
+    args.config = dict(sorted(map(parse_field, args.config))) if args.config else None
+    if args.config:
+        import dataclasses
+
+        from trl_ppo import PPOConfig
+
+        unknown = set(args.config) - {f.name for f in dataclasses.fields(PPOConfig)}
+        if unknown:
+            parser.error(f"--config: PPOConfig has no field {', '.join(sorted(unknown))}")
     return args
 
 
+def parse_field(text: str) -> tuple[str, object]:
+    """"lam=1.0" -> ("lam", 1.0): the value read as JSON where it parses (numbers, true, null), else a string."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--config takes FIELD=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
 def row_key(row: dict) -> tuple:
-    return tuple(row.get(name) for name in KEY_FIELDS)
+    return tuple(json.dumps(row.get(name), sort_keys=True) for name in KEY_FIELDS)
 
 
 def done_keys(path: str) -> set[tuple]:
@@ -78,7 +101,9 @@ def dataset(args):
 
 def run_dir(args) -> str:
     """The cell's own folder: cells that run side by side must not share one (trl_ppo's run lock refuses that)."""
-    return os.path.join(args.work_dir, "runs", f"{args.task}-{args.estimator}-{args.gae_level}-{args.seed}-{args.lr:g}")
+    extra = "".join(f"-{name}{value}" for name, value in (args.config or {}).items())
+    return os.path.join(args.work_dir, "runs",
+                        f"{args.task}-{args.estimator}-{args.gae_level}-{args.seed}-{args.lr:g}{extra}")
 
 
 def trainer(args, tokenizer, model, sft_path: str):
@@ -96,7 +121,7 @@ def trainer(args, tokenizer, model, sft_path: str):
         response_length=budget(args.task), max_turns=tasks.TASKS[args.task]().steps + 1, stop_token="eos",
         missing_eos_penalty=1.0, advantage_estimator=args.estimator, gae_level=args.gae_level or "token",
         local_rollout_forward_batch_size=args.batch, num_sample_generations=0, save_strategy="no",
-        report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True, **groups,
+        report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True, **groups, **(args.config or {}),
     )
     value_model = None
     if critic:
@@ -139,7 +164,7 @@ def run(args) -> dict:
     return {
         "task": args.task, "estimator": args.estimator, "gae_level": args.gae_level, "seed": args.seed,
         "lr": args.lr, "updates": args.updates, "episodes_per_update": args.batch,
-        "num_generations": args.num_generations,
+        "num_generations": args.num_generations, "config": args.config,
         "success_curve": curve, "before": before, "final": after,
         f"episodes_to_{LEVEL}": episodes_to_reach(curve, args.batch),
         "cpu_seconds": round(time.process_time() - cpu, 1), "sft": settings.key(args.task),
