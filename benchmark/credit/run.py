@@ -19,7 +19,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tasks/policy here; agent_task, learning_task in benchmark/
+BENCH = os.path.dirname(HERE)  # tasks/policy here; agent_task, guess_game in agents/, learning_task in learning/
+sys.path[:0] = [HERE, os.path.join(BENCH, "agents"), os.path.join(BENCH, "learning")]
 import policy  # noqa: E402
 import tasks  # noqa: E402
 

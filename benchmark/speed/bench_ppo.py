@@ -1,10 +1,10 @@
 """trl_ppo against TRL 1.12's PPO trainer, side by side: episodes per second, peak memory, and learning parity.
 
-    python benchmark/bench_ppo.py --shape tiny                          # CPU: both trainers, alternated
-    python benchmark/bench_ppo.py --shape 160m 1b --precision fp32 bf16  # GPU: every shape x precision
-    python benchmark/bench_ppo.py --parity --shape tiny                  # 20 updates x 3 seeds, score gain
+    python benchmark/speed/bench_ppo.py --shape tiny                          # CPU: both trainers, alternated
+    python benchmark/speed/bench_ppo.py --shape 160m 1b --precision fp32 bf16  # GPU: every shape x precision
+    python benchmark/speed/bench_ppo.py --parity --shape tiny                  # 20 updates x 3 seeds, score gain
     accelerate launch --config_file examples/accelerate_configs/deepspeed_zero2.yaml --num_processes 1 \
-        benchmark/bench_ppo.py --shape 160m --precision bf16 --trainers trl_ppo   # trl_ppo under a launcher
+        benchmark/speed/bench_ppo.py --shape 160m --precision bf16 --trainers trl_ppo   # trl_ppo under a launcher
 
 The config is the one of the reference figures in issue 7: random-init GPT-NeoX models of the pythia shapes
 built from config (policy; value and reward models of the same shape; the reference a frozen copy of the
@@ -17,7 +17,7 @@ through `ACCELERATE_MIXED_PRECISION=bf16`.
 Each measurement runs in its own subprocess (so peak memory, CUDA peak allocated or CPU max RSS, is that
 trainer's alone), trainers alternated within each repeat. Episodes/s is the steady state: the first update
 (warm-up, compilation) is excluded. Results are printed as a table and appended as JSON lines to `--results`
-(read by `benchmark/plot_results.py`).
+(read by `benchmark/speed/plot_results.py`).
 """
 
 from __future__ import annotations

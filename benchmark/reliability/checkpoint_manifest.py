@@ -1,7 +1,7 @@
 """What the checkpoint manifest costs: the time to hash a checkpoint (at save) and to verify it (at resume),
 against the time to write the same bytes, on files shaped like a model's checkpoint.
 
-    python benchmark/checkpoint_manifest.py --gib 2 --dir /tmp/manifest_bench
+    python benchmark/reliability/checkpoint_manifest.py --gib 2 --dir /tmp/manifest_bench
 
 It writes a policy-like safetensors file (1/4 of the bytes), an optimizer-like torch file (1/2) and a value
 model (1/4) with `torch.save` / safetensors, as a checkpoint's writer does, then times writing the manifest and

@@ -1,9 +1,9 @@
 """What PPO options are worth, on a laptop CPU: a learning benchmark with a verifiable reward, trl_ppo's options
 against its defaults and against TRL 1.12's PPO trainer.
 
-    python benchmark/learning.py --smoke                          # CI form: tiny SFT, 2 updates, 1 seed (~30 s)
-    python benchmark/learning.py --plot benchmark/learning.png    # every config of CONFIGS and TRL, seeds 0 1 2
-    python benchmark/learning.py --configs trl_ppo trl --seeds 0 1 2 3 4
+    python benchmark/learning/learning.py --smoke                          # CI form: tiny SFT, 2 updates, 1 seed (~30 s)
+    python benchmark/learning/learning.py --plot benchmark/learning/learning.png    # every config of CONFIGS and TRL, seeds 0 1 2
+    python benchmark/learning/learning.py --configs trl_ppo trl --seeds 0 1 2 3 4
 
 The task (`learning_task.py`): two-digit addition, "23+45=" -> "68", one token per character. A tiny GPT-NeoX
 (64 wide, 2 layers) is trained from scratch by supervised fine-tuning (SFT, ~10 s, cached in `--output_dir`

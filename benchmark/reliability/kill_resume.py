@@ -1,6 +1,6 @@
 """Kill a run at random moments, resume it, and check that nothing was lost (issue 46, part 2).
 
-    python benchmark/kill_resume.py --trials 40 [--updates 16] [--kills 3] [--seed 0] [--out kill_resume.jsonl]
+    python benchmark/reliability/kill_resume.py --trials 40 [--updates 16] [--kills 3] [--seed 0] [--out kill_resume.jsonl]
 
 The run is `trl-ppo`'s embedded job, tiny and on the CPU: `--updates` updates of 8 episodes, a checkpoint after
 every update and `--save_total_limit 2` (so kills land in saves and rotations too), always started with the same

@@ -3,7 +3,7 @@ the wall time, the CPU time (user + system, all threads: on a shared machine the
 metrics the README's "what healthy values look like" table reads, first logged value -> last (and the largest
 `policy/approxkl_avg` / `policy/clipfrac_avg` seen).
 
-    python benchmark/default_job.py --seeds 1 2 3 [--jsonl out.jsonl] [-- extra trl-ppo flags]
+    python benchmark/learning/default_job.py --seeds 1 2 3 [--jsonl out.jsonl] [-- extra trl-ppo flags]
 
 Each run is `python -m trl_ppo --output_dir <tmp> --seed <s> <extra flags>` in its own process, one after
 another; the metrics come from the run's `trainer_state.json`.

@@ -1,7 +1,7 @@
 """Sampling alone: milliseconds per decoding step of each trl_ppo generation backend, as a rollout samples.
 
-    python benchmark/gpu_sampling.py --shape 1b --precision bf16 --batch 64    # GPU: every backend
-    python benchmark/gpu_sampling.py --shape tiny --backends kv_cache generate --warmup 1 --repeats 2   # CPU check
+    python benchmark/speed/gpu_sampling.py --shape 1b --precision bf16 --batch 64    # GPU: every backend
+    python benchmark/speed/gpu_sampling.py --shape tiny --backends kv_cache generate --warmup 1 --repeats 2   # CPU check
 
 The policy is bench_ppo.py's random GPT-NeoX of the pythia shape (same seed), the prompts its 32-64 random tokens
 left-padded by trl_ppo's collator; 53 tokens, no stop token, temperature 0.7. Each backend is called as a rollout
