@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import REPO_ROOT, load_example_script
 
-sys.path[:0] = [os.path.join(REPO_ROOT, "benchmark", d) for d in ("agents", "learning")]  # guess_game imports agent_task
+sys.path[:0] = [os.path.join(REPO_ROOT, "benchmark", d) for d in ("agents", "learning")]  # guess_game: agent_task
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""The learning benchmark (benchmark/learning/learning.py): its rule reward, the same rule as a reward model for TRL 1.12
-scoring exactly like trl_ppo's reward function, and its small CPU form as a smoke test (no learning asserted)."""
+"""The learning benchmark (benchmark/learning/learning.py): its rule reward, the same rule as a reward model for
+TRL 1.12 scoring exactly like trl_ppo's reward function, and its small CPU form as a smoke test (no learning
+asserted)."""
 
 import importlib
 import json

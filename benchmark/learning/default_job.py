@@ -18,6 +18,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmark/: rows.py
+from rows import append_row  # noqa: E402
+
 SERIES = {
     "score": "objective/scores",
     "kl": "objective/kl",
@@ -72,8 +75,7 @@ def main() -> None:
             flush=True,
         )
         if args.jsonl:
-            with open(args.jsonl, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps({**row, "extra": extra}) + "\n")
+            append_row(args.jsonl, {**row, "extra": extra})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """What PPO options are worth, on a laptop CPU: a learning benchmark with a verifiable reward, trl_ppo's options
 against its defaults and against TRL 1.12's PPO trainer.
 
-    python benchmark/learning/learning.py --smoke                          # CI form: tiny SFT, 2 updates, 1 seed (~30 s)
-    python benchmark/learning/learning.py --plot benchmark/learning/learning.png    # every config of CONFIGS and TRL, seeds 0 1 2
+    python benchmark/learning/learning.py --smoke              # CI form: tiny SFT, 2 updates, 1 seed (~30 s)
+    python benchmark/learning/learning.py --plot benchmark/learning/learning.png   # every config and TRL, seeds 0 1 2
     python benchmark/learning/learning.py --configs trl_ppo trl --seeds 0 1 2 3 4
 
 The task (`learning_task.py`): two-digit addition, "23+45=" -> "68", one token per character. A tiny GPT-NeoX
@@ -38,8 +38,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # learning_task.py here, rows.py in benchmark/
 import learning_task as task  # noqa: E402
+from rows import append_row, print_row  # noqa: E402
 
 # trl_ppo configs: name -> PPOConfig flags on top of `PPO`. "trl" (TRL 1.12's trainer) is run besides these.
 CONFIGS: dict[str, dict] = {
@@ -203,7 +204,7 @@ def serve_worker(spec: str | None, run_one) -> bool:
     otherwise False."""
     if spec is None:
         return False
-    print(json.dumps(run_one(json.loads(spec))), flush=True)
+    print_row(run_one(json.loads(spec)))
     return True
 
 
@@ -231,8 +232,7 @@ def run_seeds(spec: dict, seeds, names, configs: dict, results: str, script: str
             if row is None:
                 continue
             rows.append(row)
-            with open(results, "a") as lines:
-                lines.write(json.dumps(row) + "\n")
+            append_row(results, row)
             log(f"[{name} seed {seed}] {describe(row)}")
     return rows
 
@@ -406,8 +406,7 @@ def main() -> None:
             if row is None:
                 continue
             rows.append(row)
-            with open(cli.results, "a") as results:
-                results.write(json.dumps(row) + "\n")
+            append_row(cli.results, row)
             before, after = row["accuracy_before"], row["accuracy_after"]
             log(f"[{name} seed {seed}] greedy accuracy {before:.3f} -> {after:.3f} in {row['seconds']:.1f}s")
     print(f"\n{len(rows)} runs appended to {cli.results}\n")

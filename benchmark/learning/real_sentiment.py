@@ -22,8 +22,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # default_job.py here, rows.py in benchmark/
 from default_job import children_cpu_seconds  # noqa: E402
+from rows import emit_row  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIG = os.path.join(ROOT, "examples", "configs", "smollm2_sentiment.yaml")
@@ -90,10 +91,7 @@ def main() -> None:
                                 cache_dir=os.path.join(ROOT, ".cache", "wheels")))
     for seed in args.seeds:
         result = run_seed(seed, model, args.output_root, args.flags, args.threads)
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as handle:
-                handle.write(json.dumps(result) + "\n")
+        emit_row(result, args.out)
 
 
 if __name__ == "__main__":

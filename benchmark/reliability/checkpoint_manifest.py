@@ -10,9 +10,9 @@ JSON line.
 """
 
 import argparse
-import json
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -20,6 +20,9 @@ from safetensors.torch import save_file
 
 from trl_ppo.checkpoint.folders import write_json
 from trl_ppo.checkpoint.manifest import MANIFEST_NAME, checkpoint_problem, manifest_of
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmark/: rows.py
+from rows import print_row  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +48,7 @@ def main() -> None:
     shutil.rmtree(args.dir)
     result = dict(gib=args.gib, write_and_sync_s=round(write_s, 2), manifest_s=round(manifest_s, 2))
     result.update(verify_s=round(verify_s, 2), hash_gib_per_s=round(args.gib / manifest_s, 2), cpus=os.cpu_count())
-    print(json.dumps(result))
+    print_row(result)
 
 
 if __name__ == "__main__":

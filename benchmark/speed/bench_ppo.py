@@ -41,6 +41,8 @@ SHAPES = {  # hidden size, layers, heads, vocabulary (the pythia family's, vocab
 TRAINERS = ("trl_ppo", "trl")
 WALL_CLOCK_METRICS = ("eps", "train_runtime", "train_episodes_per_second", "train_samples_per_second")
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmark/: rows.py
+from rows import append_row, print_row  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ one measurement
@@ -244,7 +246,7 @@ def run_worker(cli, trainer: str, shape: str, precision: str, seed: int, updates
         print((done.stdout + done.stderr)[-4000:], file=sys.stderr)
         return None
     row = json.loads(rows[-1])
-    print(json.dumps({k: v for k, v in row.items() if k != "scores"}), file=sys.stderr, flush=True)
+    print_row({k: v for k, v in row.items() if k != "scores"}, file=sys.stderr)
     return row
 
 
@@ -368,7 +370,7 @@ def main() -> None:
         cli.trainer, cli.shape, cli.precision = cli.worker or "trl_ppo", cli.shape[0], cli.precision[0]
         row = measure(cli)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps(row), flush=True)
+            print_row(row)
         return
     if "trl" in trainers and not trl_available():
         parser.error("TRL 1.12.0 is not installed: `pip install -e '.[bench]'`, or pass --trainers trl_ppo")
@@ -385,9 +387,8 @@ def main() -> None:
                         if row:
                             row["parity"] = cli.parity
                             rows.append(row)
-    with open(cli.results, "a") as results:
-        for row in rows:
-            results.write(json.dumps(row) + "\n")
+    for row in rows:
+        append_row(cli.results, row)
     print(f"\n{len(rows)} runs appended to {cli.results}")
     print(parity_table(rows) if cli.parity else speed_table(rows))
     if len(rows) < len(trainers) * len(cli.shape) * len(cli.precision) * len(seeds) * cli.repeats:

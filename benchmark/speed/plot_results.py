@@ -1,7 +1,8 @@
 """Bar charts of episodes/s and peak memory per shape and precision for trl_ppo and TRL, from the JSON lines that
 `bench_ppo.py` appends (speed runs only; the median run of each trainer and config).
 
-    python benchmark/speed/plot_results.py benchmark/speed/results_h100.jsonl benchmark/speed/results_cpu.jsonl -o benchmark/speed/results.png
+    python benchmark/speed/plot_results.py benchmark/speed/results_h100.jsonl benchmark/speed/results_cpu.jsonl \
+        -o benchmark/speed/results.png
 """
 
 import argparse
