@@ -176,7 +176,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = run_arguments(__doc__, "agent_credit_consistent.jsonl", "/tmp/trl_ppo_agent_credit", RL["updates"])
+    results = os.path.join(HERE, "agent_credit_consistent.jsonl")
+    parser = run_arguments(__doc__, results, "/tmp/trl_ppo_agent_credit", RL["updates"])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
     parser.add_argument("--smoke", action="store_true", help="Tiny SFT, 1 update, 1 seed, every config.")
     parser.add_argument("--learning_rate", type=float, default=None, help=f"Default {RL['learning_rate']}.")

@@ -268,7 +268,7 @@ def report(path: str, smoke: bool) -> None:
 
 # --------------------------------------------------------------------------------------------- orchestration
 def parse_args():
-    parser = run_arguments(__doc__, "agent_tools.jsonl", "/tmp/trl_ppo_agent_tools", RL["updates"])
+    parser = run_arguments(__doc__, os.path.join(HERE, "agent_tools.jsonl"), "/tmp/trl_ppo_agent_tools", RL["updates"])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
     parser.add_argument("--held_out", type=int, default=100, help="Held-out problems evaluated before and after.")
     parser.add_argument("--smoke", action="store_true", help="CI form: tiny SFT, 1 update, 1 seed, every config.")

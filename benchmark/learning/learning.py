@@ -328,11 +328,12 @@ def missing_flags(name: str) -> list[str]:
 
 
 def run_arguments(doc: str, results: str, output_dir: str, updates: int) -> argparse.ArgumentParser:
-    """The arguments of a benchmark whose runs are subprocesses over seeds (`run_worker`)."""
+    """The arguments of a benchmark whose runs are subprocesses over seeds (`run_worker`); `results`: the default
+    of --results, a path (the calling script's folder joined to its rows file)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--updates", type=int, default=None, help=f"Updates per run (default {updates}).")
-    parser.add_argument("--results", default=os.path.join(HERE, results))
+    parser.add_argument("--results", default=results)
     parser.add_argument("--output_dir", default=output_dir, help="SFT cache and run folders.")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per process (2 at most on a shared laptop CPU)."
@@ -343,7 +344,8 @@ def run_arguments(doc: str, results: str, output_dir: str, updates: int) -> argp
 
 
 def parse_args():
-    parser = run_arguments(__doc__, "learning_results.jsonl", "/tmp/trl_ppo_learning", PPO["updates"])
+    results = os.path.join(HERE, "learning_results.jsonl")
+    parser = run_arguments(__doc__, results, "/tmp/trl_ppo_learning", PPO["updates"])
     names = list(CONFIGS) + [TRL]
     parser.add_argument("--configs", nargs="+", choices=names, default=None, help="Default: all of them.")
     parser.add_argument("--eval_every", type=int, default=10, help="Greedy eval every N updates (0: never).")
