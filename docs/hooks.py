@@ -14,7 +14,7 @@ RESULTS = ("RESULTS.md", "speed/results.png", "learning/real_model.png", "learni
 
 
 def on_files(files, config):
-    """`benchmark/RESULTS.md` as the page `results.md`, its images beside it."""
+    """`benchmark/RESULTS.md` as the page `results.md`, its images at the same paths relative to it."""
     for name in RESULTS:
         uri = "results.md" if name == "RESULTS.md" else name
         files.append(File.generated(config, uri, abs_src_path=os.path.join(ROOT, "benchmark", *name.split("/"))))
