@@ -10,14 +10,14 @@ from mkdocs.structure.files import File
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS_MARK = "<!-- options -->"
-RESULTS = ("RESULTS.md", "results.png", "real_model.png", "learning.png")
+RESULTS = ("RESULTS.md", "speed/results.png", "learning/real_model.png", "learning/learning.png")
 
 
 def on_files(files, config):
-    """`benchmark/RESULTS.md` as the page `results.md`, its images beside it."""
+    """`benchmark/RESULTS.md` as the page `results.md`, its images at the same paths relative to it."""
     for name in RESULTS:
         uri = "results.md" if name == "RESULTS.md" else name
-        files.append(File.generated(config, uri, abs_src_path=os.path.join(ROOT, "benchmark", name)))
+        files.append(File.generated(config, uri, abs_src_path=os.path.join(ROOT, "benchmark", *name.split("/"))))
     return files
 
 

@@ -1,4 +1,4 @@
-"""The calculator-tool benchmark (benchmark/agent_tools.py): its reward (the final turn only, both trainers'
+"""The calculator-tool benchmark (benchmark/agents/agent_tools.py): its reward (the final turn only, both trainers'
 completion forms), its SFT data (the trainers' own prompt, labels on the assistant's turns only), and its small
 CPU form as a smoke test (no learning asserted)."""
 
@@ -11,12 +11,12 @@ import sys
 import pytest
 from conftest import REPO_ROOT, load_example_script, needs_tool_parsing
 
-SCRIPT = os.path.join(REPO_ROOT, "benchmark", "agent_tools.py")
+SCRIPT = os.path.join(REPO_ROOT, "benchmark", "agents", "agent_tools.py")
 
 
 @pytest.fixture(scope="module")
 def task():
-    return load_example_script("agent_task", folder="benchmark")
+    return load_example_script("agent_task", folder="benchmark/agents")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The credit-across-turns benchmark (benchmark/agent_credit.py, issue 35): its game, the SFT demonstrations
+"""The credit-across-turns benchmark (benchmark/agents/agent_credit.py, issue 35): its game, the SFT demonstrations
 rendered as the trainers render the prompt, and its learning-curve summary."""
 
 import os
@@ -8,12 +8,12 @@ import sys
 import pytest
 from conftest import REPO_ROOT, load_example_script
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmark"))  # guess_game imports agent_task
+sys.path[:0] = [os.path.join(REPO_ROOT, "benchmark", d) for d in ("agents", "learning")]  # guess_game: agent_task
 
 
 @pytest.fixture(scope="module")
 def game():
-    return load_example_script("guess_game", folder="benchmark")
+    return load_example_script("guess_game", folder="benchmark/agents")
 
 
 def test_the_game_answers_higher_lower_correct_and_rewards_finding(game):
@@ -27,7 +27,7 @@ def test_the_game_answers_higher_lower_correct_and_rewards_finding(game):
 def test_sft_games_use_the_trainers_prompt_and_end_on_found(game):
     from trl_ppo.agents.tools import schemas, toolbox
 
-    task = load_example_script("agent_task", folder="benchmark")
+    task = load_example_script("agent_task", folder="benchmark/agents")
     tokenizer = task.build_tokenizer()
     tools = schemas(toolbox([], game.GuessGame()))  # as trl_ppo's AgentRunner renders an environment's tools
     rendered = tokenizer.apply_chat_template(game.prompt_messages(), tools=tools, tokenize=False,
@@ -43,7 +43,7 @@ def test_sft_games_use_the_trainers_prompt_and_end_on_found(game):
 
 
 def test_episodes_to_reach_a_level():
-    credit = load_example_script("agent_credit", folder="benchmark")
+    credit = load_example_script("agent_credit", folder="benchmark/agents")
     row = {"scores": [0.2, 0.55, 0.4, 0.8], "episodes_per_update": 16}
     assert [credit.episodes_to_reach(row, level) for level in (0.5, 0.7, 0.9)] == [32, 64, None]
 

@@ -9,11 +9,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "benchmark", "bench_ppo.py")
+BENCH = os.path.join(ROOT, "benchmark", "speed", "bench_ppo.py")
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmark", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmark", "speed", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -34,7 +34,7 @@ def test_side_by_side_tiny_run_writes_rows_a_table_and_a_plot(tmp_path):
     assert "| tiny | fp32 |" in done.stdout and "speed-up" in done.stdout
     plot = tmp_path / "results.png"
     subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmark", "plot_results.py"), str(results), "-o", str(plot)],
+        [sys.executable, os.path.join(ROOT, "benchmark", "speed", "plot_results.py"), str(results), "-o", str(plot)],
         check=True,
         capture_output=True,
     )

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO_ROOT, needs_tool_parsing
 
-sys.path[:0] = [os.path.join(REPO_ROOT, "benchmark", "credit"), os.path.join(REPO_ROOT, "benchmark")]
+sys.path[:0] = [os.path.join(REPO_ROOT, "benchmark", d) for d in ("credit", "agents", "learning")]
 import tasks  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Crash consistency, kept (issue 46, part 2): `trl-ppo` SIGKILLed at random moments of a run that checkpoints every
 update, then started again with the same command (`--resume_from_checkpoint auto`), ends with a final model
 bit-identical to an uninterrupted run's; after every kill the checkpoints left verify and none newer was lost.
-The harness is `benchmark/kill_resume.py`; its many-trial table is in docs/resuming.md."""
+The harness is `benchmark/reliability/kill_resume.py`; its many-trial table is in docs/resuming.md."""
 
 import os
 import sys
@@ -12,7 +12,7 @@ from trl_ppo.checkpoint import folders
 from trl_ppo.checkpoint.folders import write_json
 from trl_ppo.checkpoint.manifest import MANIFEST_NAME, manifest_of
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmark"))
+sys.path.insert(0, os.path.join(REPO_ROOT, "benchmark", "reliability"))
 
 import kill_resume  # noqa: E402
 

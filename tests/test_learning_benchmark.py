@@ -1,5 +1,6 @@
-"""The learning benchmark (benchmark/learning.py): its rule reward, the same rule as a reward model for TRL 1.12
-scoring exactly like trl_ppo's reward function, and its small CPU form as a smoke test (no learning asserted)."""
+"""The learning benchmark (benchmark/learning/learning.py): its rule reward, the same rule as a reward model for
+TRL 1.12 scoring exactly like trl_ppo's reward function, and its small CPU form as a smoke test (no learning
+asserted)."""
 
 import importlib
 import json
@@ -11,16 +12,16 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmark", "learning.py")
+SCRIPT = os.path.join(ROOT, "benchmark", "learning", "learning.py")
 
 
 @pytest.fixture(scope="module")
 def task():
-    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmark", "learning"))
     try:
         return importlib.import_module("learning_task")
     finally:
-        sys.path.remove(os.path.join(ROOT, "benchmark"))
+        sys.path.remove(os.path.join(ROOT, "benchmark", "learning"))
 
 
 def test_rule_reward_scores_exact_sums_only(task):

@@ -273,7 +273,7 @@ def test_the_benchmarks_vader_reward_model_scores_the_response_alone(smollm2_tok
     assistant header, cut at its `<|im_end|>`, whatever TRL's attention mask drops (TRL masks every pad id)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("real_model", f"{REPO_ROOT}/benchmark/real_model.py")
+    spec = importlib.util.spec_from_file_location("real_model", f"{REPO_ROOT}/benchmark/learning/real_model.py")
     real_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(real_model)
     tokenizer = smollm2_tokenizer

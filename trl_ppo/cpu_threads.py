@@ -2,7 +2,7 @@
 
 torch starts one thread per core. On a machine whose cores other processes already keep busy, those threads wait
 on each other at every operation: the demos ran 6 to 10 times slower than on the same cores idle, and one thread
-fixed most of it (`benchmark/cpu_threads.py` measures it). So `trl-ppo` uses the cores that the 1-minute load
+fixed most of it (`benchmark/speed/cpu_threads.py` measures it). So `trl-ppo` uses the cores that the 1-minute load
 average leaves free, at least one, at most torch's own choice."""
 
 from __future__ import annotations

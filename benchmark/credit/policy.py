@@ -13,7 +13,7 @@ import os
 import random
 from dataclasses import asdict, dataclass
 
-import agent_task  # benchmark/ is on the path (run.py and the tests put it there)
+import agent_task  # benchmark/agents/ and learning/ are on the path (run.py and the tests put them there)
 import guess_game
 import tasks
 import torch

@@ -19,9 +19,11 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tasks/policy here; agent_task, learning_task in benchmark/
+BENCH = os.path.dirname(HERE)  # tasks/policy here; agent_task, guess_game in agents/, learning_task in learning/
+sys.path[:0] = [HERE, BENCH, os.path.join(BENCH, "agents"), os.path.join(BENCH, "learning")]  # rows.py in BENCH
 import policy  # noqa: E402
 import tasks  # noqa: E402
+from rows import append_row  # noqa: E402
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_baseline")
 LEVEL = 0.8  # the success level whose episodes-to-reach a row records
@@ -179,8 +181,7 @@ def main(argv=None) -> None:
         print(f"skipped: a row for {dict(zip(KEY_FIELDS, key))} is already in {args.out}")
         return
     row = run(args)
-    with open(args.out, "a") as out:
-        out.write(json.dumps(row) + "\n")
+    append_row(args.out, row)
     print(f"{args.task} {args.estimator} {args.gae_level or ''} seed {args.seed}: success {row['before']} -> "
           f"{row['final']}, curve {row['success_curve']}, {row['cpu_seconds']}s CPU")
 

@@ -36,7 +36,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmark"))  # agent_task: the evaluation and the answer check
+sys.path.insert(0, os.path.join(ROOT, "benchmark", "agents"))  # agent_task: the evaluation and the answer check
 import agent_task  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(ROOT, ".cache", "qwen2.5-coder-0.5b-instruct")
@@ -201,7 +201,7 @@ def trainer_for(args, policy, tokenizer, train_rows):
         total_episodes=batch * args.updates, num_ppo_epochs=args.ppo_epochs, num_mini_batches=1,
         learning_rate=args.learning_rate, temperature=args.temperature, response_length=args.response_length,
         max_turns=args.max_turns, max_tool_response_length=16, stop_token="eos", missing_eos_penalty=1.0,
-        lam=1.0,  # the score reaches the first token (whether to call) undecayed; see benchmark/agent_tools.py
+        lam=1.0,  # the score reaches the first token (whether to call) undecayed; see benchmark/agents/agent_tools.py
         kl_coef=args.kl_coef, local_rollout_forward_batch_size=batch, num_sample_generations=0, seed=args.seed,
         save_strategy="no", report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
     )

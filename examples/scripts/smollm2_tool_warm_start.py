@@ -28,7 +28,7 @@ import random
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmark"))  # agent_task: SFT examples masked to the model's turns
+sys.path.insert(0, os.path.join(ROOT, "benchmark", "agents"))  # agent_task: SFT examples masked to the model's turns
 import agent_task  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(ROOT, ".cache", "smollm2-135m-instruct")

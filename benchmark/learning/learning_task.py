@@ -1,4 +1,4 @@
-"""The task of `benchmark/learning.py`: two-digit addition ("23+45=" -> "68"), with a verifiable reward.
+"""The task of `benchmark/learning/learning.py`: two-digit addition ("23+45=" -> "68"), with a verifiable reward.
 
 * `build_char_tokenizer`: one id per character (digits, "+", "="), `[PAD]` / `[EOS]` / `[UNK]`, left padding;
 * `split_problems`: a fixed held-out eval set, and the pool the SFT data and the PPO prompts are drawn from;

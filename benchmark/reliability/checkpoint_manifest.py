@@ -1,7 +1,7 @@
 """What the checkpoint manifest costs: the time to hash a checkpoint (at save) and to verify it (at resume),
 against the time to write the same bytes, on files shaped like a model's checkpoint.
 
-    python benchmark/checkpoint_manifest.py --gib 2 --dir /tmp/manifest_bench
+    python benchmark/reliability/checkpoint_manifest.py --gib 2 --dir /tmp/manifest_bench
 
 It writes a policy-like safetensors file (1/4 of the bytes), an optimizer-like torch file (1/2) and a value
 model (1/4) with `torch.save` / safetensors, as a checkpoint's writer does, then times writing the manifest and
@@ -10,9 +10,9 @@ JSON line.
 """
 
 import argparse
-import json
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -20,6 +20,9 @@ from safetensors.torch import save_file
 
 from trl_ppo.checkpoint.folders import write_json
 from trl_ppo.checkpoint.manifest import MANIFEST_NAME, checkpoint_problem, manifest_of
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmark/: rows.py
+from rows import print_row  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +48,7 @@ def main() -> None:
     shutil.rmtree(args.dir)
     result = dict(gib=args.gib, write_and_sync_s=round(write_s, 2), manifest_s=round(manifest_s, 2))
     result.update(verify_s=round(verify_s, 2), hash_gib_per_s=round(args.gib / manifest_s, 2), cpus=os.cpu_count())
-    print(json.dumps(result))
+    print_row(result)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """What PPO options are worth, on a laptop CPU: a learning benchmark with a verifiable reward, trl_ppo's options
 against its defaults and against TRL 1.12's PPO trainer.
 
-    python benchmark/learning.py --smoke                          # CI form: tiny SFT, 2 updates, 1 seed (~30 s)
-    python benchmark/learning.py --plot benchmark/learning.png    # every config of CONFIGS and TRL, seeds 0 1 2
-    python benchmark/learning.py --configs trl_ppo trl --seeds 0 1 2 3 4
+    python benchmark/learning/learning.py --smoke              # CI form: tiny SFT, 2 updates, 1 seed (~30 s)
+    python benchmark/learning/learning.py --plot benchmark/learning/learning.png   # every config and TRL, seeds 0 1 2
+    python benchmark/learning/learning.py --configs trl_ppo trl --seeds 0 1 2 3 4
 
 The task (`learning_task.py`): two-digit addition, "23+45=" -> "68", one token per character. A tiny GPT-NeoX
 (64 wide, 2 layers) is trained from scratch by supervised fine-tuning (SFT, ~10 s, cached in `--output_dir`
@@ -38,8 +38,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # learning_task.py here, rows.py in benchmark/
 import learning_task as task  # noqa: E402
+from rows import append_row, print_row  # noqa: E402
 
 # trl_ppo configs: name -> PPOConfig flags on top of `PPO`. "trl" (TRL 1.12's trainer) is run besides these.
 CONFIGS: dict[str, dict] = {
@@ -203,7 +204,7 @@ def serve_worker(spec: str | None, run_one) -> bool:
     otherwise False."""
     if spec is None:
         return False
-    print(json.dumps(run_one(json.loads(spec))), flush=True)
+    print_row(run_one(json.loads(spec)))
     return True
 
 
@@ -231,8 +232,7 @@ def run_seeds(spec: dict, seeds, names, configs: dict, results: str, script: str
             if row is None:
                 continue
             rows.append(row)
-            with open(results, "a") as lines:
-                lines.write(json.dumps(row) + "\n")
+            append_row(results, row)
             log(f"[{name} seed {seed}] {describe(row)}")
     return rows
 
@@ -328,11 +328,12 @@ def missing_flags(name: str) -> list[str]:
 
 
 def run_arguments(doc: str, results: str, output_dir: str, updates: int) -> argparse.ArgumentParser:
-    """The arguments of a benchmark whose runs are subprocesses over seeds (`run_worker`)."""
+    """The arguments of a benchmark whose runs are subprocesses over seeds (`run_worker`); `results`: the default
+    of --results, a path (the calling script's folder joined to its rows file)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--updates", type=int, default=None, help=f"Updates per run (default {updates}).")
-    parser.add_argument("--results", default=os.path.join(HERE, results))
+    parser.add_argument("--results", default=results)
     parser.add_argument("--output_dir", default=output_dir, help="SFT cache and run folders.")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per process (2 at most on a shared laptop CPU)."
@@ -343,7 +344,8 @@ def run_arguments(doc: str, results: str, output_dir: str, updates: int) -> argp
 
 
 def parse_args():
-    parser = run_arguments(__doc__, "learning_results.jsonl", "/tmp/trl_ppo_learning", PPO["updates"])
+    results = os.path.join(HERE, "learning_results.jsonl")
+    parser = run_arguments(__doc__, results, "/tmp/trl_ppo_learning", PPO["updates"])
     names = list(CONFIGS) + [TRL]
     parser.add_argument("--configs", nargs="+", choices=names, default=None, help="Default: all of them.")
     parser.add_argument("--eval_every", type=int, default=10, help="Greedy eval every N updates (0: never).")
@@ -406,8 +408,7 @@ def main() -> None:
             if row is None:
                 continue
             rows.append(row)
-            with open(cli.results, "a") as results:
-                results.write(json.dumps(row) + "\n")
+            append_row(cli.results, row)
             before, after = row["accuracy_before"], row["accuracy_after"]
             log(f"[{name} seed {seed}] greedy accuracy {before:.3f} -> {after:.3f} in {row['seconds']:.1f}s")
     print(f"\n{len(rows)} runs appended to {cli.results}\n")

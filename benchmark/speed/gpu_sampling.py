@@ -1,7 +1,7 @@
 """Sampling alone: milliseconds per decoding step of each trl_ppo generation backend, as a rollout samples.
 
-    python benchmark/gpu_sampling.py --shape 1b --precision bf16 --batch 64    # GPU: every backend
-    python benchmark/gpu_sampling.py --shape tiny --backends kv_cache generate --warmup 1 --repeats 2   # CPU check
+    python benchmark/speed/gpu_sampling.py --shape 1b --precision bf16 --batch 64    # GPU: every backend
+    python benchmark/speed/gpu_sampling.py --shape tiny --backends kv_cache generate --warmup 1 --repeats 2  # CPU
 
 The policy is bench_ppo.py's random GPT-NeoX of the pythia shape (same seed), the prompts its 32-64 random tokens
 left-padded by trl_ppo's collator; 53 tokens, no stop token, temperature 0.7. Each backend is called as a rollout
@@ -12,7 +12,6 @@ One JSON line per backend: median and best seconds per call, ms per decoding ste
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,8 +20,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench_ppo.py here, rows.py in benchmark/
 import bench_ppo  # noqa: E402
+from rows import emit_row  # noqa: E402
 
 from trl_ppo.data import LeftPaddingCollator, prompts_on_device  # noqa: E402
 from trl_ppo.default_job import build_word_tokenizer  # noqa: E402
@@ -90,10 +91,7 @@ def main() -> None:
         except Exception:  # one backend failing should not hide the others' timings
             print(f"[{name}] failed:\n{traceback.format_exc()[-3000:]}", file=sys.stderr, flush=True)
             continue
-        print(json.dumps(row), flush=True)
-        if cli.results:
-            with open(cli.results, "a") as results:
-                results.write(json.dumps(row) + "\n")
+        emit_row(row, cli.results)
 
 
 if __name__ == "__main__":

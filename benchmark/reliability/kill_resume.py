@@ -1,6 +1,7 @@
 """Kill a run at random moments, resume it, and check that nothing was lost (issue 46, part 2).
 
-    python benchmark/kill_resume.py --trials 40 [--updates 16] [--kills 3] [--seed 0] [--out kill_resume.jsonl]
+    python benchmark/reliability/kill_resume.py --trials 40 [--updates 16] [--kills 3] [--seed 0] \
+        [--out kill_resume.jsonl]
 
 The run is `trl-ppo`'s embedded job, tiny and on the CPU: `--updates` updates of 8 episodes, a checkpoint after
 every update and `--save_total_limit 2` (so kills land in saves and rotations too), always started with the same
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import multiprocessing
 import os
 import random
@@ -33,6 +33,9 @@ import sys
 import tempfile
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmark/: rows.py
+from rows import append_row  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, here and in the fork server
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -224,8 +227,7 @@ def main() -> None:
         problems = f"; {record['problems']}" if record["problems"] else ""
         print(f"trial {i}: {record['outcome']}; killed at {kills}{problems}", flush=True)
         if args.out:
-            with open(args.out, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
+            append_row(args.out, record)
 
     started = time.monotonic()
     result = run_trials(args.trials, args.kills, args.seed, workdir, args.updates, args.timeout, report)

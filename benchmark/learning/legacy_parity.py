@@ -21,9 +21,9 @@ What it measures
     first 4) and the wall time.
 
 Commands (from the repository root; one training process at a time: this is a 2-core machine)
-    .venv-trl011/bin/python benchmark/legacy_parity.py --library trl --seed 0 --out trl_seed0.json
-    .venv/bin/python benchmark/legacy_parity.py --library trl_ppo --seed 0 --out trl_ppo_seed0.json
-    bash benchmark/legacy_parity.sh    # builds .venv-trl011, runs seeds 0,1,2 under both, prints the table
+    .venv-trl011/bin/python benchmark/learning/legacy_parity.py --library trl --seed 0 --out trl_seed0.json
+    .venv/bin/python benchmark/learning/legacy_parity.py --library trl_ppo --seed 0 --out trl_ppo_seed0.json
+    bash benchmark/learning/legacy_parity.sh    # builds .venv-trl011, runs seeds 0,1,2 under both, prints the table
 
 This file must run under TRL 0.11.4 (transformers 4.x) as well as under trl_ppo (transformers 5.x), so it imports
 trl_ppo only when asked to, and uses nothing that differs between the two transformers major versions.

@@ -1,10 +1,10 @@
 """trl_ppo against TRL 1.12's PPO trainer, side by side: episodes per second, peak memory, and learning parity.
 
-    python benchmark/bench_ppo.py --shape tiny                          # CPU: both trainers, alternated
-    python benchmark/bench_ppo.py --shape 160m 1b --precision fp32 bf16  # GPU: every shape x precision
-    python benchmark/bench_ppo.py --parity --shape tiny                  # 20 updates x 3 seeds, score gain
+    python benchmark/speed/bench_ppo.py --shape tiny                          # CPU: both trainers, alternated
+    python benchmark/speed/bench_ppo.py --shape 160m 1b --precision fp32 bf16  # GPU: every shape x precision
+    python benchmark/speed/bench_ppo.py --parity --shape tiny                  # 20 updates x 3 seeds, score gain
     accelerate launch --config_file examples/accelerate_configs/deepspeed_zero2.yaml --num_processes 1 \
-        benchmark/bench_ppo.py --shape 160m --precision bf16 --trainers trl_ppo   # trl_ppo under a launcher
+        benchmark/speed/bench_ppo.py --shape 160m --precision bf16 --trainers trl_ppo   # trl_ppo under a launcher
 
 The config is the one of the reference figures in issue 7: random-init GPT-NeoX models of the pythia shapes
 built from config (policy; value and reward models of the same shape; the reference a frozen copy of the
@@ -17,7 +17,7 @@ through `ACCELERATE_MIXED_PRECISION=bf16`.
 Each measurement runs in its own subprocess (so peak memory, CUDA peak allocated or CPU max RSS, is that
 trainer's alone), trainers alternated within each repeat. Episodes/s is the steady state: the first update
 (warm-up, compilation) is excluded. Results are printed as a table and appended as JSON lines to `--results`
-(read by `benchmark/plot_results.py`).
+(read by `benchmark/speed/plot_results.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ SHAPES = {  # hidden size, layers, heads, vocabulary (the pythia family's, vocab
 TRAINERS = ("trl_ppo", "trl")
 WALL_CLOCK_METRICS = ("eps", "train_runtime", "train_episodes_per_second", "train_samples_per_second")
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmark/: rows.py
+from rows import append_row, print_row  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ one measurement
@@ -244,7 +246,7 @@ def run_worker(cli, trainer: str, shape: str, precision: str, seed: int, updates
         print((done.stdout + done.stderr)[-4000:], file=sys.stderr)
         return None
     row = json.loads(rows[-1])
-    print(json.dumps({k: v for k, v in row.items() if k != "scores"}), file=sys.stderr, flush=True)
+    print_row({k: v for k, v in row.items() if k != "scores"}, file=sys.stderr)
     return row
 
 
@@ -368,7 +370,7 @@ def main() -> None:
         cli.trainer, cli.shape, cli.precision = cli.worker or "trl_ppo", cli.shape[0], cli.precision[0]
         row = measure(cli)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(json.dumps(row), flush=True)
+            print_row(row)
         return
     if "trl" in trainers and not trl_available():
         parser.error("TRL 1.12.0 is not installed: `pip install -e '.[bench]'`, or pass --trainers trl_ppo")
@@ -385,9 +387,8 @@ def main() -> None:
                         if row:
                             row["parity"] = cli.parity
                             rows.append(row)
-    with open(cli.results, "a") as results:
-        for row in rows:
-            results.write(json.dumps(row) + "\n")
+    for row in rows:
+        append_row(cli.results, row)
     print(f"\n{len(rows)} runs appended to {cli.results}")
     print(parity_table(rows) if cli.parity else speed_table(rows))
     if len(rows) < len(trainers) * len(cli.shape) * len(cli.precision) * len(seeds) * cli.repeats:

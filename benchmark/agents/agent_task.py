@@ -1,4 +1,4 @@
-"""The task of `benchmark/agent_tools.py`: "What is A * B?" for two-digit A and B, with a `multiply` tool.
+"""The task of `benchmark/agents/agent_tools.py`: "What is A * B?" for two-digit A and B, with a `multiply` tool.
 
 * `multiply`: the tool (type hints and a docstring, as `tools=` takes it); `split_problems`: a fixed held-out
   set and the pool SFT and RL draw from; `question` / `prompt_messages`: the user message.
@@ -190,7 +190,7 @@ def sft_batch(tokenizer, examples: list[tuple[list[int], list[int]]]) -> dict[st
 
 
 def build_policy(tokenizer, settings: SFTSettings):
-    from learning_task import tiny_causal_lm  # benchmark/ is on the path of the scripts that train
+    from learning_task import tiny_causal_lm  # benchmark/learning/ is on the path of the scripts that train
 
     return tiny_causal_lm(
         "qwen2", tokenizer, settings, num_key_value_heads=settings.num_heads, max_position_embeddings=1024,
@@ -234,7 +234,7 @@ def train_sft(tokenizer, pool: list[tuple[int, int]], settings: SFTSettings, out
                 schedule.step()
             if (step + 1) % max(1, steps // 4) == 0:
                 log(f"SFT {name} step {step + 1}/{steps}: loss {loss:.4f}")
-    from learning_task import save_sft  # benchmark/ is on the path of the scripts that train
+    from learning_task import save_sft  # benchmark/learning/ is on the path of the scripts that train
 
     return save_sft(model, tokenizer, settings, path)
 
@@ -256,7 +256,7 @@ def sft_step(model, optimizer, tokenizer, problems, sampler, tool_rate: float, d
 def one_cycle_sft(model, tokenizer, settings, make_examples, log=print, name: str = "SFT") -> None:
     """`learning_task.one_cycle_steps` on the (ids, labels) examples `make_examples()` returns: next-token loss on
     the labelled tokens, equally weighted."""
-    from learning_task import one_cycle_steps  # benchmark/ is on the path of the scripts that train
+    from learning_task import one_cycle_steps  # benchmark/learning/ is on the path of the scripts that train
 
     no_copies = torch.zeros(settings.batch_size, dtype=torch.bool)
     digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("0123456789")))  # weight 1: no token counts more

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Download, on a machine with PyPI, the wheels that `benchmark/run_gpu.sh` installs on the GPU machine lent by the
+# Download, on a machine with PyPI, the wheels that `benchmark/speed/run_gpu.sh` installs on the GPU machine lent by the
 # `device` tool (it has torch, transformers, accelerate and peft, but no network): TRL 1.12 and what it needs that
 # the GPU image lacks, built for its Python 3.12 on x86-64; DeepSpeed's source distribution with the pure-Python
 # dependencies the image lacks (gpu_check.sh's "sharded" step installs it with DS_BUILD_OPS=0); gguf and vaderSentiment
 # (its "real" step). They land in .whl/ (git-ignored; ~7 MB).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 WHEELS="${WHEELS_DIR:-.whl}"
 mkdir -p "$WHEELS"
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

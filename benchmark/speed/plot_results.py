@@ -1,7 +1,8 @@
 """Bar charts of episodes/s and peak memory per shape and precision for trl_ppo and TRL, from the JSON lines that
 `bench_ppo.py` appends (speed runs only; the median run of each trainer and config).
 
-    python benchmark/plot_results.py benchmark/results_h100.jsonl benchmark/results_cpu.jsonl -o benchmark/results.png
+    python benchmark/speed/plot_results.py benchmark/speed/results_h100.jsonl benchmark/speed/results_cpu.jsonl \
+        -o benchmark/speed/results.png
 """
 
 import argparse
@@ -46,7 +47,7 @@ def short_device(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+")
-    parser.add_argument("-o", "--output", default="benchmark/results.png")
+    parser.add_argument("-o", "--output", default="benchmark/speed/results.png")
     cli = parser.parse_args()
     table = median_rows(cli.results)
     configs = sorted(table, key=lambda k: (k[0].startswith("cpu"), k[0], SHAPE_ORDER.index(k[1]), k[2]))

@@ -2,8 +2,8 @@
 advantages, the PPO update), averaged over all updates including the warm-up. For finding what to speed up next;
 notes in benchmark/NOTES.md.
 
-    python benchmark/profile_phases.py --shape 160m --precision bf16 --trl_ppo_flags "train_forward_batch_size=64"
-    PROFILE_UPDATE=3 python benchmark/profile_phases.py ...   # also: torch.profiler's top kernels of update 3
+    python benchmark/speed/profile_phases.py --shape 160m --precision bf16 --trl_ppo_flags "train_forward_batch_size=64"
+    PROFILE_UPDATE=3 python benchmark/speed/profile_phases.py ...   # also: torch.profiler's top kernels of update 3
 """
 
 import collections

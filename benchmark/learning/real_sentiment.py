@@ -1,8 +1,8 @@
 """Measure `make demo-real` (SmolLM2-135M-Instruct writing movie reviews, VADER's compound score as the reward) over
 seeds: the held-out mean VADER score before and after training, and the wall time, one JSON line per seed.
 
-    python benchmark/real_sentiment.py --seeds 1 2 3 --out benchmark/real_sentiment.jsonl
-    python benchmark/real_sentiment.py --seeds 1 --flags total_episodes=16 eval_steps=2   # a quick check
+    python benchmark/learning/real_sentiment.py --seeds 1 2 3 --out benchmark/learning/real_sentiment.jsonl
+    python benchmark/learning/real_sentiment.py --seeds 1 --flags total_episodes=16 eval_steps=2   # a quick check
 
 Each seed runs the committed command, `trl-ppo train --config examples/configs/smollm2_sentiment.yaml`, in a fresh
 process (the model is fetched first with examples/scripts/get_smollm2.py, into .cache/ unless --model is given).
@@ -21,10 +21,12 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # default_job.py here, rows.py in benchmark/
 from default_job import children_cpu_seconds  # noqa: E402
+from rows import emit_row  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIG = os.path.join(ROOT, "examples", "configs", "smollm2_sentiment.yaml")
 
 
@@ -89,10 +91,7 @@ def main() -> None:
                                 cache_dir=os.path.join(ROOT, ".cache", "wheels")))
     for seed in args.seeds:
         result = run_seed(seed, model, args.output_root, args.flags, args.threads)
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as handle:
-                handle.write(json.dumps(result) + "\n")
+        emit_row(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Agents: a calculator tool. A learning benchmark where the tool matters: PPO with a tool against PPO without it,
 and TRL 1.12's GRPO trainer with the same tool as the field's reference point; offline, on the CPU.
 
-    python benchmark/agent_tools.py                 # 3 configs x seeds 0 1 2: ~7.5 min, + ~3 min of SFT once
-    python benchmark/agent_tools.py --smoke         # CI form: tiny SFT, 1 update, 1 seed (about a minute)
-    python benchmark/agent_tools.py --report        # the table of the rows already in --results
+    python benchmark/agents/agent_tools.py                 # 3 configs x seeds 0 1 2: ~7.5 min, + ~3 min of SFT once
+    python benchmark/agents/agent_tools.py --smoke         # CI form: tiny SFT, 1 update, 1 seed (about a minute)
+    python benchmark/agents/agent_tools.py --report        # the table of the rows already in --results
 
 The task (`agent_task.py`): "What is A * B?" for two-digit A and B; reward 1.0 when the last integer of the
 model's final turn is exactly A * B, else 0.0. The tool: `multiply(a, b)`. The tokenizer is
@@ -41,7 +41,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "learning")]  # learning.py, learning_task.py
 import agent_task as task  # noqa: E402
 from learning import CPU_RUN, log, run_arguments, run_seeds, serve_worker  # noqa: E402
 
@@ -268,7 +268,7 @@ def report(path: str, smoke: bool) -> None:
 
 # --------------------------------------------------------------------------------------------- orchestration
 def parse_args():
-    parser = run_arguments(__doc__, "agent_tools.jsonl", "/tmp/trl_ppo_agent_tools", RL["updates"])
+    parser = run_arguments(__doc__, os.path.join(HERE, "agent_tools.jsonl"), "/tmp/trl_ppo_agent_tools", RL["updates"])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=DEFAULT_CONFIGS)
     parser.add_argument("--held_out", type=int, default=100, help="Held-out problems evaluated before and after.")
     parser.add_argument("--smoke", action="store_true", help="CI form: tiny SFT, 1 update, 1 seed, every config.")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Learning parity of trl_ppo.legacy against TRL 0.11.4 (see benchmark/legacy_parity.py for what is measured).
+# Learning parity of trl_ppo.legacy against TRL 0.11.4 (see benchmark/learning/legacy_parity.py for what is measured).
 #
-#   bash benchmark/legacy_parity.sh              seeds 0 1 2 under each library, then the markdown table
-#   SEEDS="$(seq -s ' ' 0 19)" bash benchmark/legacy_parity.sh
+#   bash benchmark/learning/legacy_parity.sh              seeds 0 1 2 under each library, then the markdown table
+#   SEEDS="$(seq -s ' ' 0 19)" bash benchmark/learning/legacy_parity.sh
 #   The seeds' spread is large (sd of the gain ~0.18), so 3 seeds tell apart only gross differences (standard error
 #   of the difference ~0.15); 20 seeds bring it to ~0.06. A run takes ~5 s on an idle 2-core machine.
 #   OUT_DIR=outputs/legacy_parity  (default; git-ignored) holds one JSON per run and the run logs.
@@ -13,7 +13,7 @@
 #   .venv         the project's own (`make install`), with trl_ppo installed editable.
 # The runs go one after the other, never two at once: on 2 cores two trainings slow each other ten-fold.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 SEEDS="${SEEDS:-0 1 2}"
 OUT_DIR="${OUT_DIR:-outputs/legacy_parity}"
@@ -40,11 +40,11 @@ for library in trl trl_ppo; do
     if [ "$library" = trl ]; then python="$TRL_VENV/bin/python"; else python=.venv/bin/python; fi
     for seed in $SEEDS; do
         log="$OUT_DIR/${library}_seed${seed}.log"
-        if "$python" benchmark/legacy_parity.py --library "$library" --seed "$seed" \
+        if "$python" benchmark/learning/legacy_parity.py --library "$library" --seed "$seed" \
             --out "$OUT_DIR/${library}_seed${seed}.json" > "$log" 2>&1; then
             tail -n 1 "$log"
         else
-            echo "FAILED: $python benchmark/legacy_parity.py --library $library --seed $seed (log: $log)"
+            echo "FAILED: $python benchmark/learning/legacy_parity.py --library $library --seed $seed (log: $log)"
             tail -n 20 "$log"
             status=1
         fi
@@ -52,5 +52,5 @@ for library in trl trl_ppo; do
 done
 
 echo
-.venv/bin/python benchmark/legacy_parity.py --report "$OUT_DIR"
+.venv/bin/python benchmark/learning/legacy_parity.py --report "$OUT_DIR"
 exit $status

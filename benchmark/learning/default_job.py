@@ -3,7 +3,7 @@ the wall time, the CPU time (user + system, all threads: on a shared machine the
 metrics the README's "what healthy values look like" table reads, first logged value -> last (and the largest
 `policy/approxkl_avg` / `policy/clipfrac_avg` seen).
 
-    python benchmark/default_job.py --seeds 1 2 3 [--jsonl out.jsonl] [-- extra trl-ppo flags]
+    python benchmark/learning/default_job.py --seeds 1 2 3 [--jsonl out.jsonl] [-- extra trl-ppo flags]
 
 Each run is `python -m trl_ppo --output_dir <tmp> --seed <s> <extra flags>` in its own process, one after
 another; the metrics come from the run's `trainer_state.json`.
@@ -17,6 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmark/: rows.py
+from rows import append_row  # noqa: E402
 
 SERIES = {
     "score": "objective/scores",
@@ -72,8 +75,7 @@ def main() -> None:
             flush=True,
         )
         if args.jsonl:
-            with open(args.jsonl, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps({**row, "extra": extra}) + "\n")
+            append_row(args.jsonl, {**row, "extra": extra})
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@ movie reviews, VADER's compound score (in [-1, 1]) is the reward. Same model, pr
 trainer, fp32 on the CPU, each run in a fresh process; otherwise each trainer keeps its own defaults, so TRL
 checkpoints activations (its `gradient_checkpointing=True`) and trl_ppo does not:
 
-    python benchmark/real_model.py --seeds 0 1 2 3 4 --threads 1 --out benchmark/real_model.jsonl  # 1.5 h of a core
-    python benchmark/real_model.py --summarize benchmark/real_model.jsonl --plot benchmark/real_model.png
+    python benchmark/learning/real_model.py --seeds 0 1 2 3 4 --threads 1 \
+        --out benchmark/learning/real_model.jsonl                            # 1.5 h of a core
+    python benchmark/learning/real_model.py --summarize benchmark/learning/real_model.jsonl \
+        --plot benchmark/learning/real_model.png
                                                            # the tables again, from the file, and the reward curves
-    python benchmark/real_model.py --smoke                                     # a few minutes
-    python benchmark/real_model.py --updates 30 --threads 1                   # the demo's budget (RESULTS.md)
+    python benchmark/learning/real_model.py --smoke                                     # a few minutes
+    python benchmark/learning/real_model.py --updates 30 --threads 1                   # the demo's budget (RESULTS.md)
 
 Trainers ("configs"): `trl` (TRL 1.12, a separate value model initialised from the policy's weights, as TRL's
 example does with its reward model), `trl_ppo` (the same separate value model), `trl_ppo-value-head`
@@ -37,9 +39,11 @@ import time
 import torch
 from torch import nn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), os.path.join(ROOT, "benchmark")]
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), HERE, os.path.dirname(HERE)]  # rows.py in benchmark/
 from learning import run_worker, serve_worker  # noqa: E402  (`run_one` of this file in a fresh process)
+from rows import emit_row  # noqa: E402
 from sentiment_rewards import vader_compound, vader_scores  # noqa: E402
 
 PROMPTS = os.path.join(ROOT, "examples", "data", "movie_review_prompts.jsonl")
@@ -295,10 +299,7 @@ def main() -> None:
             if row is None:
                 continue
             rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as handle:
-                    handle.write(json.dumps(row) + "\n")
+            emit_row(row, args.out)
     print(summary(rows))
 
 
