@@ -13,17 +13,16 @@ batches of `--batch` episodes), so both trainers' curves mean the same thing. On
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from functools import partial
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
-import policy  # noqa: E402
-import run  # noqa: E402  (run.py's arguments, dataset, evaluation and row keys)
-import tasks  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run  # noqa: E402  (run.py's arguments, dataset, evaluation and row keys; it puts benchmark/ on the path)
+import policy  # noqa: E402  isort: skip
+import tasks  # noqa: E402  isort: skip
+from rows import append_row  # noqa: E402  isort: skip
 
 TURN_REWARDS = ("key_to_door",)  # tools that pay per turn: TRL would read the (observation, reward) pair as text
 
@@ -92,8 +91,7 @@ def main(argv=None) -> None:
         "cpu_seconds": round(time.process_time() - cpu, 1), "episodes": len(outcomes),
         "trainer": f"trl {trl.__version__}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }
-    with open(args.out, "a") as out:
-        out.write(json.dumps(row) + "\n")
+    append_row(args.out, row)
     print(f"{args.task} TRL GRPO seed {args.seed}: {before} -> {row['final']}, curve {curve}, "
           f"{row['cpu_seconds']}s CPU")
 
