@@ -23,15 +23,16 @@ def sample(update, start, rss, entries):
             "log_entries": entries, "state_bytes": 300 * entries}
 
 
-def test_the_summary_reads_memory_growth_within_a_start_only():
-    # start 0: +1 MiB per 100 updates after its first sample (10 MiB per 1,000); start 1 flat at a lower level
-    samples = [sample(100 * i, 0, 500 + (i > 0) * (i - 1), i) for i in range(1, 6)]
-    samples += [sample(100 * i, 1, 450, i) for i in range(6, 11)]
+def test_the_summary_reads_memory_growth_within_a_start_after_its_warm_up_only():
+    # start 0: a warm-up jump, then +1 MiB per 100 updates (10 MiB per 1,000); start 1: a warm-up, then flat at a
+    # lower level, and a preemption's save (update 1050, off the save_steps grid) that does not count
+    samples = [sample(100 * i, 0, 400 if i == 1 else 500 + i, i) for i in range(1, 7)]
+    samples += [sample(100 * i, 1, 300 if i == 7 else 450, i) for i in range(7, 11)] + [sample(1050, 1, 470, 11)]
     starts = [{"start": 0, "exit": 0, "seconds": 10, "stop_seconds": 1.0},
               {"start": 1, "exit": 0, "seconds": 10, "stop_seconds": None}]
-    text = soak.summary(samples, starts)
-    assert "MiB per 1,000 updates: [10.0, 0.0]" in text
-    assert "trainer_state bytes per log entry: 300 at update 100, 300 at update 1000" in text
+    text = soak.summary(samples, starts, save_steps=100, warmup=100)
+    assert "after its first 100 updates, MiB per 1,000 updates: [10.0, 0.0]" in text
+    assert "trainer_state bytes per log entry: 300 at update 100, 300 at update 1050" in text
     assert "| 1000 | 1 | 450 |" in text  # the sample nearest each thousand updates
 
 

@@ -10,8 +10,9 @@ process is sampled: its resident memory (VmRSS) and peak (VmHWM), its open file 
 output folder, and the checkpoint's `trainer_state.json` (bytes, `log_history` entries). One JSON line per
 sample goes to `--out`; the end prints the samples nearest each thousand updates and the growth figures:
 
-* memory within a start: the least-squares slope of RSS over updates (MiB per 1,000 updates), each start's
-  samples after its first (the first covers imports and the warm-up);
+* memory within a start: the least-squares slope of RSS over updates (MiB per 1,000 updates) at each start's
+  regular checkpoints from its 250th update on (RSS climbs a few MiB over a start's first ~200 updates, as the
+  allocator warms up, and a preemption's save adds its own);
 * open files: the least and the most seen;
 * disk: the least and the most the output folder used once two checkpoints were kept;
 * state: `trainer_state.json` bytes per logged entry, first checkpoint against last (a constant is linear growth,
@@ -118,7 +119,7 @@ def slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
 
-def summary(samples: list[dict], starts: list[dict]) -> str:
+def summary(samples: list[dict], starts: list[dict], save_steps: int, warmup: int = 250) -> str:
     lines = ["| update | start | RSS MiB | peak RSS MiB | open fds | output_dir MiB | log entries | state bytes |",
              "|---|---|---|---|---|---|---|---|"]
     thousands = sorted({min(samples, key=lambda s, k=k: abs(s["update"] - k))["update"]
@@ -129,16 +130,17 @@ def summary(samples: list[dict], starts: list[dict]) -> str:
                          f"{row['fds']} | {row['disk_mib']} | {row['log_entries']} | {row['state_bytes']} |")
     slopes = []
     for start in sorted({s["start"] for s in samples}):
-        mine = [s for s in samples if s["start"] == start][1:]
-        if len(mine) >= 3:
-            slopes.append(round(1000 * slope([(s["update"], s["rss_mib"]) for s in mine]), 2))
+        mine = [s for s in samples if s["start"] == start]
+        steady = [s for s in mine if s["update"] - mine[0]["update"] >= warmup and s["update"] % save_steps == 0]
+        if len(steady) >= 3:
+            slopes.append(round(1000 * slope([(s["update"], s["rss_mib"]) for s in steady]), 2))
     kept = [s["disk_mib"] for s in samples if s["update"] >= 2 * (samples[1]["update"] - samples[0]["update"])]
     first, last = samples[0], samples[-1]
     lines += [
         "",
         f"starts: {len(starts)} (exit codes {sorted({s['exit'] for s in starts})}; SIGTERM to exit "
         f"{max((s['stop_seconds'] or 0) for s in starts)} s at most); {len(samples)} samples",
-        f"RSS slope within a start, MiB per 1,000 updates: {slopes}",
+        f"RSS slope within a start after its first {warmup} updates, MiB per 1,000 updates: {slopes}",
         f"open fds: {min(s['fds'] for s in samples)} to {max(s['fds'] for s in samples)}",
         f"output_dir with two checkpoints kept: {min(kept)} to {max(kept)} MiB",
         f"trainer_state bytes per log entry: {first['state_bytes'] / max(first['log_entries'], 1):.0f} at update "
@@ -171,7 +173,7 @@ def main(argv=None) -> None:
             if record["exit"] != 0:
                 raise SystemExit(f"start {record['start']} exited {record['exit']}: see {work_dir}/run.log")
     print(f"\n{args.updates} updates, {os.cpu_count()} CPUs, run folder {output_dir}\n")
-    print(summary(samples, starts))
+    print(summary(samples, starts, args.save_steps))
 
 
 if __name__ == "__main__":
