@@ -292,6 +292,7 @@ def train_and_save(
     (`PPOTrainer.train`, `save_model`); during the table, it ends the table, not the process. `command`: the
     flags `trl-ppo train` was given, for the command that resumes a run stopped by a signal."""
     from .checkpoint import PreemptionHandler
+    from .deadlines import UserCallError
     from .trainer import PPOTrainer
 
     train_dataset, eval_dataset = datasets
@@ -311,7 +312,10 @@ def train_and_save(
         raise SystemExit(f"trl-ppo: {error}") from None
     trainer.model_card_dataset = dataset_name or "the prompts shipped with trl_ppo"
     trainer.resume_hint = f"this command:\n  {resume_command(list(command), training_args.output_dir)}"
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except UserCallError as error:  # a reward function that never answered: its message says it all
+        raise SystemExit(f"trl-ppo: {error}") from None
     trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
     if trainer.is_world_process_zero():
         print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
