@@ -43,6 +43,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -165,7 +166,7 @@ REWARDS = [
     Case("reward_all_none_scores", "reward", "probe", cli_case("""
         def probe(prompts, completions, **kw):
             return [None] * len(completions)
-        """), note="documented: None is 'no score'"),
+        """), evidence=("objective/missing_scores/probe",), note="documented: None is 'no score'"),
     Case("reward_returns_strings", "reward", "probe", cli_case("""
         def probe(prompts, completions, **kw):
             return ["1.0"] * len(completions)
@@ -323,6 +324,11 @@ class env_init_raises(Base):
         raise ValueError("env bug in __init__")
 
 
+class env_init_hangs(Base):
+    def __init__(self):
+        FOREVER.wait()
+
+
 class env_init_connection_error(Base):
     def __init__(self):
         raise ConnectionError("sandbox unreachable")
@@ -424,8 +430,9 @@ def run_agent(case: str, output_dir: str) -> None:
                              environment_factory=environment)  # fmt: skip
         trainer.train()
         trainer.save_model(output_dir)
-    except Exception as error:  # the Python API's message: the exception's one line
+    except Exception as error:  # the Python API's message: the exception's one line, after its traceback
         sys.stdout.flush()
+        traceback.print_exc()
         print(f"{type(error).__name__}: {error}".replace("\n", " "), file=sys.stderr)
         sys.exit(1)
     print(f"Saved the trained policy to {output_dir}")
@@ -436,7 +443,7 @@ def agent_case(name: str):
         output = folder / "out"
         output.mkdir()
         (output / NOTES).write_text("mine\n")
-        return {"command": [PYTHON, __file__, "--agent", name, str(output)], "output_dir": output}
+        return {"command": [PYTHON, __file__, "--agent", name, str(output)], "output_dir": output, "api": True}
 
     return setup
 
@@ -460,6 +467,7 @@ AGENTS = [
     Case("tool_keyboard_interrupt", "tool", "tool_keyboard_interrupt", agent_case("tool_keyboard_interrupt"),
          evidence=("env/tool_errors",)),
     Case("env_init_raises", "environment", "env_init_raises", agent_case("env_init_raises"), bug=True),
+    Case("env_init_hangs", "environment", "env_init_hangs", agent_case("env_init_hangs"), bound=ENV_BOUND),
     Case("env_init_connection_error", "environment", "env_init_connection_error",
          agent_case("env_init_connection_error"), bound=ENV_BOUND),
     Case("env_reset_hangs", "environment", "env_reset_hangs", agent_case("env_reset_hangs"), bound=ENV_BOUND),
@@ -481,13 +489,14 @@ AGENTS = [
 
 # --------------------------------------------------------------------------------------------- files and signals
 BASE_RUN: Path | None = None  # a finished tiny run with a checkpoint per update, made once, copied by cases
+LAST = "checkpoint-2"  # its newest checkpoint (the last update is saved as the model, not as a checkpoint)
 
 
 def base_run(workdir: Path) -> Path:
     global BASE_RUN
     if BASE_RUN is None:
         BASE_RUN = workdir / "base_run"
-        if not (BASE_RUN / "checkpoint-3").is_dir():
+        if not (BASE_RUN / LAST).is_dir():
             shutil.rmtree(BASE_RUN, ignore_errors=True)
             subprocess.run([*TRL_PPO, "train", *TINY, "--save_strategy", "steps", "--save_steps", "1",
                             "--output_dir", str(BASE_RUN)], check=True, capture_output=True)  # fmt: skip
@@ -497,7 +506,7 @@ def base_run(workdir: Path) -> Path:
 def copied_run(folder: Path, workdir: Path, without_model: bool = False) -> Path:
     output = folder / "out"
     shutil.copytree(base_run(workdir), output)
-    if without_model:  # a run killed after checkpoint-3, before its final save
+    if without_model:  # a run killed after its last checkpoint, before its final save
         for name in ("model.safetensors", "config.json", "trainer_state.json"):
             (output / name).unlink(missing_ok=True)
     (output / NOTES).write_text("mine\n")
@@ -508,7 +517,7 @@ def resume_case(damage: Callable[[Path], None], *extra: str, resume: str = "late
     def setup(folder: Path) -> dict:
         output = copied_run(folder, folder.parent, without_model)
         damage(output)
-        command = [*TRL_PPO, "train", *TINY, "--total_episodes", "32", "--save_strategy", "steps",
+        command = [*TRL_PPO, "train", *TINY, "--save_strategy", "steps",
                    "--save_steps", "1", "--output_dir", str(output), "--resume_from_checkpoint", resume, *extra]
         return {"command": command, "output_dir": output, "after_damage": True}
 
@@ -517,7 +526,7 @@ def resume_case(damage: Callable[[Path], None], *extra: str, resume: str = "late
 
 def truncate(name: str):
     def damage(output: Path) -> None:
-        path = output / "checkpoint-3" / name
+        path = output / LAST / name
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
     return damage
@@ -525,7 +534,7 @@ def truncate(name: str):
 
 def remove(name: str):
     def damage(output: Path) -> None:
-        (output / "checkpoint-3" / name).unlink()
+        (output / LAST / name).unlink()
 
     return damage
 
@@ -548,8 +557,8 @@ def other_run_checkpoint(folder: Path) -> dict:
     output.mkdir()
     (output / NOTES).write_text("mine\n")
     other = copied_run(folder / "other", folder.parent)
-    command = [*TRL_PPO, "train", *TINY, "--total_episodes", "32", "--seed", "7", "--output_dir", str(output),
-               "--resume_from_checkpoint", str(other / "checkpoint-2")]
+    command = [*TRL_PPO, "train", *TINY, "--seed", "7", "--output_dir", str(output), "--resume_from_checkpoint",
+               str(other / LAST)]
     return {"command": command, "output_dir": output, "also": other}
 
 
@@ -579,14 +588,11 @@ def signalled(signum: int, when: str, second: float | None):
 FILES = [
     Case("output_dir_is_a_file", "files", "out", output_is_file),
     Case("output_dir_under_a_file", "files", "afile", output_under_file),
-    Case("resume_truncated_trainer_state", "files", "checkpoint-3", resume_case(truncate("trainer_state.json")),
-         evidence=("checkpoint-3",), note="latest: skips it, resumes checkpoint-2"),
-    Case("resume_missing_optimizer", "files", "checkpoint-3", resume_case(remove("optimizer.pt")),
-         evidence=("checkpoint-3",)),
-    Case("resume_missing_manifest", "files", "checkpoint-3", resume_case(remove("manifest.json")),
-         evidence=("checkpoint-3",)),
-    Case("resume_given_damaged_path", "files", "checkpoint-3", resume_case(truncate("model.safetensors"),
-                                                                           resume="CHECKPOINT3")),
+    Case("resume_truncated_trainer_state", "files", LAST, resume_case(truncate("trainer_state.json")),
+         evidence=(LAST,), note="latest: skips it, resumes checkpoint-1"),
+    Case("resume_missing_optimizer", "files", LAST, resume_case(remove("optimizer.pt")), evidence=(LAST,)),
+    Case("resume_missing_manifest", "files", LAST, resume_case(remove("manifest.json")), evidence=(LAST,)),
+    Case("resume_given_damaged_path", "files", LAST, resume_case(truncate("model.safetensors"), resume="LAST")),
     Case("resume_other_config", "files", "seed", resume_case(lambda output: None, "--seed", "9")),
     Case("resume_other_runs_checkpoint", "files", "seed", other_run_checkpoint),
     Case("overwrite_keeps_my_files", "files", NOTES, overwrite_finished, note="--overwrite_output_dir"),
@@ -649,7 +655,7 @@ def run_case(case: Case, workdir: Path) -> Result:
     folder.mkdir(parents=True)
     spec = case.setup(folder)
     output: Path = spec["output_dir"]
-    command = [str(folder / "out" / "checkpoint-3") if part == "CHECKPOINT3" else part for part in spec["command"]]
+    command = [str(folder / "out" / LAST) if part == "LAST" else part for part in spec["command"]]
     before = verified_checkpoints(output)
     if "also" in spec:
         before_other = verified_checkpoints(spec["also"])
@@ -687,6 +693,8 @@ def run_case(case: Case, workdir: Path) -> Result:
     # lost: a checkpoint that verified before, the user's file, or the model of a run that said it was saved
     after = verified_checkpoints(output)
     lost = [name for digest, name in before.items() if digest not in after]
+    if spec.get("overwrite"):  # --overwrite_output_dir deletes the checkpoints, as documented: only the rest counts
+        lost = []
     if "also" in spec:
         after_other = verified_checkpoints(spec["also"])
         lost += [f"other/{name}" for digest, name in before_other.items() if digest not in after_other]
@@ -700,7 +708,8 @@ def run_case(case: Case, workdir: Path) -> Result:
     if lost:
         return Result(case, "lost", seconds, line, "lost: " + ", ".join(lost))
     rc = process.returncode
-    traceback = "Traceback (most recent call last)" in text
+    # Through the Python API a traceback is how every exception shows: its last line is the message.
+    has_traceback = "Traceback (most recent call last)" in text and not spec.get("api")
     if rc == 0:
         metrics = logged_metrics(output)
         seen = [item for item in case.evidence if metrics.get(item, 0) > 0 or (item not in metrics and item in text)]
@@ -710,9 +719,13 @@ def run_case(case: Case, workdir: Path) -> Result:
             return Result(case, "handled", seconds, line, "seen: " + ", ".join(seen or [case.culprit]))
         return Result(case, "finished, unseen", seconds, line, f"rc 0; none of {list(case.evidence)} seen")
     named = case.culprit in line
-    if named and (not traceback or case.bug):
-        return Result(case, "stopped, named", seconds, line, f"rc {rc}" + (", traceback into user code" if traceback else ""))
-    why = "a traceback" if traceback else "the last line does not name it"
+    if "signal" in spec and f"Stopped by {case.culprit}" in text:  # the message, then the resume command
+        named = True
+    if case.bug and re.search(r'File "[^"]*(probe_agent|reward)\.py"', text):
+        named = True  # a bug: the traceback shows the line of the user's code that raised
+    if named and (not has_traceback or case.bug):
+        return Result(case, "stopped, named", seconds, line, f"rc {rc}" + (", traceback into user code" if has_traceback else ""))
+    why = "a traceback" if has_traceback else "the last line does not name it"
     return Result(case, "stopped, traceback", seconds, line, f"rc {rc}; {why}")
 
 
