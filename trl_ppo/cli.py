@@ -293,6 +293,7 @@ def train_and_save(
     flags `trl-ppo train` was given, for the command that resumes a run stopped by a signal."""
     from .checkpoint import PreemptionHandler
     from .deadlines import UserCallError
+    from .reward_functions import RewardValueError
     from .trainer import PPOTrainer
 
     train_dataset, eval_dataset = datasets
@@ -314,8 +315,8 @@ def train_and_save(
     trainer.resume_hint = f"this command:\n  {resume_command(list(command), training_args.output_dir)}"
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except UserCallError as error:  # a reward function that never answered: its message says it all
-        raise SystemExit(f"trl-ppo: {error}") from None
+    except (UserCallError, RewardValueError) as error:  # a reward that never answered, or returned what cannot be
+        raise SystemExit(f"trl-ppo: {error}") from None  # scores: the message says it all (a bug keeps its traceback)
     trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
     if trainer.is_world_process_zero():
         print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
