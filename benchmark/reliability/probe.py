@@ -194,6 +194,10 @@ REWARDS = [
         async def probe(prompts, completions, **kw):
             await asyncio.Event().wait()
         """), bound=CALL_BOUND),
+    Case("reward_huge_score", "reward", "probe", cli_case("""
+        def probe(prompts, completions, **kw):
+            return [1e12] * len(completions)
+        """)),
     Case("reward_prints_to_stdout", "reward", "probe", cli_case("""
         def probe(prompts, completions, **kw):
             print("DEBUG scoring", len(completions))
@@ -539,6 +543,10 @@ def remove(name: str):
     return damage
 
 
+def remove_from(folder: Path, name: str) -> None:
+    (folder / name).unlink()
+
+
 def output_is_file(folder: Path) -> dict:
     output = folder / "out"
     output.write_text("a file of mine\n")
@@ -593,6 +601,12 @@ FILES = [
     Case("resume_missing_optimizer", "files", LAST, resume_case(remove("optimizer.pt")), evidence=(LAST,)),
     Case("resume_missing_manifest", "files", LAST, resume_case(remove("manifest.json")), evidence=(LAST,)),
     Case("resume_given_damaged_path", "files", LAST, resume_case(truncate("model.safetensors"), resume="LAST")),
+    Case("resume_auto_every_checkpoint_damaged", "files", "checkpoint-1",
+         resume_case(lambda output: [remove_from(output / name, "manifest.json") for name in ("checkpoint-1", LAST)],
+                     resume="auto"), note="auto never starts over a folder of damaged checkpoints"),
+    Case("resume_leftover_tmp_checkpoint", "files", "tmp-checkpoint",
+         resume_case(lambda output: shutil.copytree(output / LAST, output / "tmp-checkpoint-3-20260101000000-1")),
+         evidence=("tmp-checkpoint",), note="a killed save's staging folder"),
     Case("resume_other_config", "files", "seed", resume_case(lambda output: None, "--seed", "9")),
     Case("resume_other_runs_checkpoint", "files", "seed", other_run_checkpoint),
     Case("overwrite_keeps_my_files", "files", NOTES, overwrite_finished, note="--overwrite_output_dir"),
