@@ -325,3 +325,35 @@ def test_trl_ppo_names_a_reward_function_that_never_answers_in_one_line(tmp_path
     message = str(exit_.value.code)
     assert message.startswith("trl-ppo: Update 1: Reward function 'down' raised ConnectionError: no judge on its "
                               "only try"), message
+
+
+SIGNAL_AFTER_SAVE_SCRIPT = '''
+import os, signal, sys
+from trl_ppo import trainer as trainer_module
+from trl_ppo.cli import main
+
+saved = trainer_module.PPOTrainer.save_model
+
+def save_then_signal(self, *args, **kwargs):
+    saved(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # a SIGTERM right after the final save, before the completions table
+
+trainer_module.PPOTrainer.save_model = save_then_signal
+main(sys.argv[1:])
+'''
+
+
+@pytest.mark.slow
+def test_trl_ppo_exits_zero_on_a_sigterm_between_the_final_save_and_the_table(tmp_path):
+    """The probe's `sigterm_in_final_table`: a SIGTERM landing after the save, before the table's handler, ended
+    `trl-ppo` with status 143 (the default handler) once in two runs."""
+    import subprocess
+    import sys
+
+    from test_cli import SMALL_RUN
+
+    argv = ["--output_dir", str(tmp_path / "out"), *SMALL_RUN]
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_SAVE_SCRIPT, *argv], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -321,11 +321,13 @@ def train_and_save(
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except refusals as error:
         raise SystemExit(f"trl-ppo: {error}") from None
-    trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
-    if trainer.is_world_process_zero():
-        print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
-    if trainer.stop_signal is None:
-        with PreemptionHandler():
+    # From the save on, a signal ends nothing early: the run has finished. Under one handler, so that none lands
+    # between the save and the table with the default handler (status 143 instead of 0; found by the probe).
+    with PreemptionHandler():
+        trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
+        if trainer.is_world_process_zero():
+            print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
+        if trainer.stop_signal is None:
             trainer.generate_completions()
 
 
