@@ -459,7 +459,7 @@ AGENTS = [
     Case("tool_sleeps_past_deadline", "tool", "tool_sleeps_past", agent_case("tool_sleeps_past"),
          bound=4 * DEADLINE, evidence=("env/tool_timeouts",)),
     Case("tool_raises", "tool", "tool_raises", agent_case("tool_raises"), evidence=("env/tool_errors",)),
-    Case("tool_huge_answer", "tool", "tool_huge", agent_case("tool_huge"), evidence=("env/tool_truncated",),
+    Case("tool_huge_answer", "tool", "tool_huge", agent_case("tool_huge"), evidence=("env/truncated_tool_responses",),
          note="20 MB answer, max_tool_response_length=64"),
     Case("tool_returns_object", "tool", "tool_object", agent_case("tool_object"), evidence=()),
     Case("tool_returns_none", "tool", "tool_none", agent_case("tool_none"), evidence=()),
