@@ -41,3 +41,36 @@ def test_model_flags_without_model_name_or_path_are_refused(tmp_path):
     for flag in ("--reward_model_path", "--sft_model_path"):
         text = refusal([flag, str(tmp_path), "--output_dir", str(tmp_path / "out")])
         assert text.startswith(f"trl-ppo: {flag[2:] and flag} needs --model_name_or_path"), text
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("return [float('nan')] * len(completions)", r"Reward 'scores' returned \d+ non-finite score\(s\)"),
+        ("return [1.0]", r"Reward function 'scores' returned 1 scores: it must return a list"),
+        ("return None", r"Reward function 'scores' returned NoneType None, not a list"),
+    ],
+)
+def test_a_reward_returning_what_cannot_be_scores_is_one_line(body, message, tmp_path):
+    """Found by benchmark/reliability/probe.py (issue 46, part 5): the message named the reward, after a traceback of
+    trl_ppo's own frames; now `trl-ppo` shows the message alone."""
+    from test_cli import SMALL_RUN
+
+    (tmp_path / "mine.py").write_text(f"def scores(prompts, completions, **_):\n    {body}\n")
+    argv = ["--reward_function", f"{tmp_path}/mine.py:scores", "--output_dir", str(tmp_path / "out"), *SMALL_RUN,
+            "--num_sample_generations", "0"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    text = str(exit_.value.code)
+    assert text.startswith("trl-ppo: Update 1: ") and re.search(message, text), text
+
+
+def test_a_reward_function_that_raises_keeps_its_traceback(tmp_path):
+    """A bug in the reward function is found in its traceback: not shortened to one line."""
+    from test_cli import SMALL_RUN
+
+    (tmp_path / "mine.py").write_text("def scores(prompts, completions, **_):\n    raise ValueError('my bug')\n")
+    argv = ["--reward_function", f"{tmp_path}/mine.py:scores", "--output_dir", str(tmp_path / "out"), *SMALL_RUN,
+            "--num_sample_generations", "0"]  # fmt: skip
+    with pytest.raises(ValueError, match="Update 1: Reward function 'scores' raised: my bug"):
+        main(argv)

@@ -240,3 +240,120 @@ def test_a_get_reward_that_hangs_in_training_is_retried_then_stops_the_run(make_
     [logged] = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry]
     assert logged["objective/scores/environment"] == 1.0
     assert (logged["calls/timeouts"], logged["calls/retries"]) == (1, 1)
+
+
+# ------------------------------------------------------------ found by benchmark/reliability/probe.py (issue 46, part 5)
+HANGING_TOOL_SCRIPT = '''
+import threading
+from trl_ppo.agents.execution import ToolCall, execute_calls
+from trl_ppo.agents.tools import toolbox
+
+def hangs(x: int) -> str:
+    """Never return.
+
+    Args:
+        x: anything.
+    """
+    threading.Event().wait()
+
+[[answer]] = execute_calls([[ToolCall("hangs", {"x": 1})]], [toolbox([hangs])], timeout=0.1)
+print("answered", answer.timed_out)
+'''
+
+
+@pytest.mark.slow
+def test_a_sync_tool_that_never_returns_does_not_keep_the_process_from_exiting():
+    """The probe's `tool_hangs`: the run finished and saved its model, then never exited, because the tool pool's
+    threads (`ThreadPoolExecutor`'s) are joined at interpreter exit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", HANGING_TOOL_SCRIPT], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "answered True", done.stderr
+
+
+@needs_tool_parsing
+def test_an_environment_that_hangs_when_the_trainer_lists_its_tools_is_named(make_config, release):
+    """The probe's `env_init_hangs`: the instance the trainer makes to list an environment's tools had no deadline,
+    so a factory that never returned hung `PPOTrainer(...)` itself."""
+
+    class NeverMade:
+        def __init__(self):
+            release.wait()
+
+        def look(self, x: int) -> str:
+            """Look.
+
+            Args:
+                x: anything.
+            """
+            return "nothing"
+
+    settings = dict(environment_timeout=0.2, user_call_retries=1, user_call_backoff=0.01)
+    start = time.perf_counter()
+    with pytest.raises(UserCallError, match=r"`NeverMade\(\)` \(the instance made to list its tools\) did not return "
+                                            "within 0.2 s on each of its 2 tries"):
+        grpo_trainer(make_config, build_tool_tokenizer(), [], NeverMade, **settings)
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("ending", [SystemExit(3), KeyboardInterrupt()])
+def test_a_reward_function_ending_its_thread_is_named(ending):
+    """The probe's `reward_sys_exit`: `sys.exit(3)` in a reward function ended the run with status 3 and no
+    message (and under several processes would leave the others waiting); `KeyboardInterrupt` raised by it
+    showed as a Ctrl-C."""
+
+    def quits(prompts, completions):
+        raise ending
+
+    with pytest.raises(UserCallError, match=rf"Reward function 'quits' raised {type(ending).__name__}.*the run stops"):
+        reward_function_scores(quits, "quits", ["p"], ["c"], {}, "cpu", QUICK)
+
+
+def test_trl_ppo_names_a_reward_function_that_never_answers_in_one_line(tmp_path):
+    """The probe's `reward_hangs` / `reward_connection_error` under `trl-ppo`: a traceback of trl_ppo's own frames
+    ended in the message; now the message alone, as `trl-ppo`'s other refusals."""
+    from test_cli import SMALL_RUN
+
+    from trl_ppo.cli import main
+
+    (tmp_path / "judge.py").write_text("def down(prompts, completions, **_):\n    raise ConnectionError('no judge')\n")
+    argv = ["--reward_function", f"{tmp_path}/judge.py:down", "--output_dir", str(tmp_path / "out"),
+            "--user_call_retries", "0", *SMALL_RUN, "--num_sample_generations", "0"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    message = str(exit_.value.code)
+    assert message.startswith("trl-ppo: Update 1: Reward function 'down' raised ConnectionError: no judge on its "
+                              "only try"), message
+
+
+SIGNAL_AFTER_SAVE_SCRIPT = '''
+import os, signal, sys
+from trl_ppo import trainer as trainer_module
+from trl_ppo.cli import main
+
+saved = trainer_module.PPOTrainer.save_model
+
+def save_then_signal(self, *args, **kwargs):
+    saved(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # a SIGTERM right after the final save, before the completions table
+
+trainer_module.PPOTrainer.save_model = save_then_signal
+main(sys.argv[1:])
+'''
+
+
+@pytest.mark.slow
+def test_trl_ppo_exits_zero_on_a_sigterm_between_the_final_save_and_the_table(tmp_path):
+    """The probe's `sigterm_in_final_table`: a SIGTERM landing after the save, before the table's handler, ended
+    `trl-ppo` with status 143 (the default handler) once in two runs."""
+    import subprocess
+    import sys
+
+    from test_cli import SMALL_RUN
+
+    argv = ["--output_dir", str(tmp_path / "out"), *SMALL_RUN]
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AFTER_SAVE_SCRIPT, *argv], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()

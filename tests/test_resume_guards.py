@@ -39,3 +39,20 @@ def test_a_checkpoint_from_before_manifests_with_truncated_weights_is_named_dama
     with pytest.raises(ValueError, match=r"is not a whole trl_ppo checkpoint: .*model\.safetensors cannot be read "
                                          r"\(SafetensorError: .*\): it is truncated or damaged"):
         checkpoint_to_resume(str(tmp_path), str(folder))
+
+
+def test_trl_ppo_shows_a_refused_resume_without_a_traceback(tmp_path):
+    """Found by benchmark/reliability/probe.py (issue 46, part 5): `trl-ppo --resume_from_checkpoint latest` with
+    another seed listed the difference after a traceback of trl_ppo's frames; now the message alone."""
+    from test_cli import SMALL_RUN
+
+    from trl_ppo.cli import main
+
+    run = ["--output_dir", str(tmp_path / "out"), *SMALL_RUN, "--num_sample_generations", "0", "--save_strategy",
+           "steps", "--save_steps", "1"]  # fmt: skip
+    main(run)
+    with pytest.raises(SystemExit) as exit_:
+        main([*run, "--seed", "9", "--resume_from_checkpoint", "latest"])
+    message = str(exit_.value.code)
+    assert message.startswith("trl-ppo: Cannot resume from ") and "written by a different run" in message, message
+    assert "`seed`: checkpoint has 1, this run has 9" in message, message

@@ -291,7 +291,10 @@ def train_and_save(
     SIGTERM/SIGINT at the end of training or during the save lets the save finish and exits with status 0
     (`PPOTrainer.train`, `save_model`); during the table, it ends the table, not the process. `command`: the
     flags `trl-ppo train` was given, for the command that resumes a run stopped by a signal."""
-    from .checkpoint import PreemptionHandler
+    from .checkpoint import CheckpointOfAnotherRunError, PreemptionHandler
+    from .checkpoint.identity import CheckpointOfOtherSettingsError
+    from .deadlines import UserCallError
+    from .reward_functions import RewardValueError
     from .trainer import PPOTrainer
 
     train_dataset, eval_dataset = datasets
@@ -311,12 +314,20 @@ def train_and_save(
         raise SystemExit(f"trl-ppo: {error}") from None
     trainer.model_card_dataset = dataset_name or "the prompts shipped with trl_ppo"
     trainer.resume_hint = f"this command:\n  {resume_command(list(command), training_args.output_dir)}"
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
-    if trainer.is_world_process_zero():
-        print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
-    if trainer.stop_signal is None:
-        with PreemptionHandler():
+    # A refused resume, a reward that never answered or returned what cannot be scores: the message says it all (a
+    # bug in a reward function keeps its traceback).
+    refusals = (CheckpointOfAnotherRunError, CheckpointOfOtherSettingsError, UserCallError, RewardValueError)
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except refusals as error:
+        raise SystemExit(f"trl-ppo: {error}") from None
+    # From the save on, a signal ends nothing early: the run has finished. Under one handler, so that none lands
+    # between the save and the table with the default handler (status 143 instead of 0; found by the probe).
+    with PreemptionHandler():
+        trainer.save_model(training_args.output_dir)  # first: nothing after it can cost the trained model
+        if trainer.is_world_process_zero():
+            print(f"Saved the trained policy to {os.path.abspath(training_args.output_dir)}")
+        if trainer.stop_signal is None:
             trainer.generate_completions()
 
 

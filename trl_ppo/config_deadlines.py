@@ -28,7 +28,8 @@ class DeadlineConfig:
         default=300.0,
         metadata={
             "help": "Seconds an environment's `reset`, `get_reward` or `close` may run (None: no limit). Counted in "
-            "`calls/timeouts`. `reset` (with making the environment) and `get_reward` are then retried "
+            "`calls/timeouts`. `reset` (with making the environment; also the instance the trainer makes to list an "
+            "environment's tools) and `get_reward` are then retried "
             "(`user_call_retries`) and at last stop the run with an error naming the method; a `close` is abandoned "
             "with a warning (a batch's closes run side by side, under one deadline). The default, 300, leaves room "
             "to start a sandbox or a remote episode."

@@ -48,7 +48,8 @@ _counts_lock = threading.Lock()
 
 class UserCallError(RuntimeError):
     """A reward function, `get_reward` or `reset` failed on every try (its deadline passed, or it raised a transient
-    error), or failed on another process: the run stops."""
+    error), called `sys.exit()` or raised `KeyboardInterrupt` in its thread, or failed on another process: the run
+    stops."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,8 @@ class Deadlines:
             outcome = call_all_within([function], seconds)[0]
             if outcome is not TIMED_OUT and not isinstance(outcome, Failed):
                 return outcome
+            if isinstance(outcome, Failed) and not isinstance(outcome.error, Exception):
+                raise _ended_its_thread(name, outcome.error) from outcome.error
             if isinstance(outcome, Failed) and not is_transient(outcome.error):
                 raise outcome.error
             if attempt + 1 < tries:
@@ -225,3 +228,14 @@ class Deadlines:
             f"`--resume_from_checkpoint latest`) once {name} answers, or change `{setting}` (None: no limit) or "
             "`user_call_retries`."
         ) from (outcome.error if isinstance(outcome, Failed) else None)
+
+
+def _ended_its_thread(name: str, error: BaseException) -> UserCallError:
+    """`sys.exit()` or `KeyboardInterrupt` raised by a function in its own thread (a real Ctrl-C reaches the main
+    thread only): re-raised as it was, it ended the process with no message (or left the other processes of a
+    distributed run waiting); instead an error names the function."""
+    shown = f"{type(error).__name__}({error})" if str(error) else type(error).__name__
+    return UserCallError(
+        f"{name} raised {shown} (`sys.exit()` or an interrupt from inside it): the run stops. Nothing since the "
+        f"last checkpoint is kept, and that checkpoint is intact: resume from it once {name} no longer does so."
+    )

@@ -25,6 +25,12 @@ def call_reward_function(reward_function: RewardFunction, **kwargs) -> list:
     return async_loop.resolve(reward_function(**kwargs))
 
 
+class RewardValueError(ValueError):
+    """A reward returned what cannot be scores: another number of values than completions, something that is not a
+    number or None, NaN, infinity or a score beyond ±1e10. The values are the problem, not a line of trl_ppo, so
+    `trl-ppo` shows it as its one-line message, without a traceback."""
+
+
 def reward_values(result, name: str, count: int) -> list:
     """What reward function `name` returned for `count` completions, checked: a list (or 1-D tensor or array)
     of numbers (0-d tensors too) and Nones, one per completion; anything else raises, naming what it was."""
@@ -40,7 +46,7 @@ def reward_values(result, name: str, count: int) -> list:
             index, value = bad[0]
             wrong = f"{type(value).__name__} {reprlib.repr(value)} at position {index} (of {len(result)} values)"
     if wrong is not None:
-        raise ValueError(
+        raise RewardValueError(
             f"Reward function {name!r} returned {wrong}: it must return a list of one float (or None) per "
             f"completion, {count} here."
         )

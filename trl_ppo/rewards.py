@@ -24,7 +24,7 @@ from .data import is_conversational
 from .deadlines import Deadlines, UserCallError
 from .fsdp import root_call
 from .models import check_scalar_head_model, scalar_head_outputs
-from .reward_functions import add_note, reward_function_scores
+from .reward_functions import RewardValueError, add_note, reward_function_scores
 from .rollout import Rollout, chunks
 
 
@@ -167,13 +167,13 @@ def check_finite_scores(scores: torch.Tensor, name: str) -> None:
     later update)."""
     bad = ~torch.isfinite(scores)
     if bool(bad.any()):
-        raise ValueError(
+        raise RewardValueError(
             f"Reward {name!r} returned {int(bad.sum())} non-finite score(s) out of {scores.numel()} "
             f"(first: {scores[bad][0].item()}): make it return finite floats."
         )
     huge = scores.abs() > MAX_ABS_SCORE
     if bool(huge.any()):
-        raise ValueError(
+        raise RewardValueError(
             f"Reward {name!r} returned {int(huge.sum())} score(s) beyond ±{MAX_ABS_SCORE:g} out of {scores.numel()} "
             f"(first: {scores[huge][0].item():g}): PPO squares scores (value loss, whitening), which overflows. "
             "Rescale the reward (e.g. a log or a division), or clip it in the function."
@@ -287,6 +287,8 @@ def _labelled_errors(where: str):
     scoring (a bug in a reward function) keeps its type and gets a note saying where."""
     try:
         yield
+    except RewardValueError as error:  # what a reward returned: kept apart from a ValueError a reward raised
+        raise RewardValueError(f"{where}: {error}") from error
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
     except UserCallError as error:  # a reward function that timed out: where the run stopped

@@ -74,7 +74,7 @@ class AgentRunner:
         self.has_environment_reward = False
         for name, maker in makers.items():
             where = "`environment_factory`" if name is None else f"`environment_factory[{name!r}]`"
-            probe = make_environment(maker, where)
+            probe = self._probe_instance(maker, where)
             shown.update(toolbox(self.tools, probe))
             self.has_environment_reward |= callable(getattr(probe, "get_reward", None))
             close_environments([probe], self.deadlines.environment)
@@ -88,6 +88,13 @@ class AgentRunner:
         # no tools: no parsing
         self.chat = ToolChat(tokenizer, schemas(shown), stop_token_id, shipped) if shown else None
         self.episodes: list[Episode] = []  # those of the latest rollout
+
+    def _probe_instance(self, maker, where: str):
+        """One instance of an environment, made to list its tools: bounded by `environment_timeout` and retried as
+        the episodes' are (a factory that never returns would hang the trainer's construction)."""
+        name = f"`{getattr(maker, '__name__', type(maker).__name__)}()` (the instance made to list its tools)"
+        making = lambda: make_environment(maker, where)  # noqa: E731
+        return self.deadlines.call(making, name, self.deadlines.environment, "environment_timeout")
 
     # ------------------------------------------------------------------------------------------ episodes
     def start_episodes(self, batch: dict, args, context: int | None) -> list[Episode]:

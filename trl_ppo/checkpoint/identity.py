@@ -12,6 +12,11 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
+
+class CheckpointOfOtherSettingsError(ValueError):
+    """The checkpoint to resume was written by a run of other settings, models or prompts (`check_resumable`): the
+    message lists each difference. `trl-ppo` shows it without a traceback."""
+
 # Settings that decide the shape of the run: resuming with another value cannot reproduce it.
 MUST_MATCH = (
     "per_device_train_batch_size",
@@ -187,7 +192,7 @@ def check_resumable(saved: dict, current: dict, checkpoint: str) -> None:
     if allowed and not differences:
         logger.warning(f"Resuming from {checkpoint} with changed settings:\n  " + "\n  ".join(allowed))
     if differences:
-        raise ValueError(
+        raise CheckpointOfOtherSettingsError(
             f"Cannot resume from {checkpoint}: it was written by a different run.\n  "
             + "\n  ".join(differences)
             + "\nResume with the same batch layout, seeds, models, prompts and learning-rate schedule, or start a new "
