@@ -105,15 +105,17 @@ def chosen(rows: list[dict]) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> str:
-    """Per method over all tasks and seeds: final sampled success, runs that never reached 0.8, median episodes."""
-    lines = ["| method | runs | final sampled (mean ± sd) | never reached 0.8 | median episodes to 0.8 |",
-             "|---" * 5 + "|"]
+    """Per method over all tasks and seeds: final sampled success, runs that never reached 0.8 and runs that ended
+    below it (reached it, then lost it), median episodes to 0.8."""
+    lines = ["| method | runs | final sampled (mean ± sd) | never reached 0.8 | ended below 0.8 | median episodes to 0.8 |",
+             "|---" * 6 + "|"]
     for name in sorted({method(r) for r in rows}):
         mine = [r for r in rows if method(r) == name]
         reached = [r["episodes_to_0.8"] for r in mine if r["episodes_to_0.8"] is not None]
         median = f"{statistics.median(reached):.0f}" if reached else "-"
+        below = sum(r["final"]["sampled"] < 0.8 for r in mine)
         lines.append(f"| {name} | {len(mine)} | {mean_sd([r['final']['sampled'] for r in mine])} | "
-                     f"{len(mine) - len(reached)} | {median} |")
+                     f"{len(mine) - len(reached)} | {below} | {median} |")
     return "\n".join(lines)
 
 
@@ -125,8 +127,10 @@ def plot(rows: list[dict], path: str, smooth: int = 10) -> None:
     import matplotlib.pyplot as plt
 
     names, task_names = sorted({method(r) for r in rows}), sorted({r["task"] for r in rows})
-    figure, axes = plt.subplots(1, len(task_names), figsize=(4 * len(task_names), 3.4), sharey=True)
-    for axis, task in zip(list(getattr(axes, "flat", [axes])), task_names):
+    columns = 3
+    rows_ = -(-(len(task_names) + 1) // columns)  # a panel per task and one for the legend
+    figure, axes = plt.subplots(rows_, columns, figsize=(4.2 * columns, 3.2 * rows_), sharey=True)
+    for axis, task in zip(axes.flat, task_names):
         for name in names:
             curves = [r["success_curve"] for r in rows if r["task"] == task and method(r) == name]
             if not curves:
@@ -139,8 +143,12 @@ def plot(rows: list[dict], path: str, smooth: int = 10) -> None:
         axis.set_title(task)
         axis.set_xlabel("episodes")
         axis.axhline(0.8, color="grey", linewidth=0.5)
-    axes.flat[0].set_ylabel("training success")
-    axes.flat[-1].legend(fontsize=7, loc="lower right")
+    for axis in axes[:, 0]:
+        axis.set_ylabel("training success")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    for axis in list(axes.flat)[len(task_names):]:
+        axis.axis("off")
+    axes.flat[-1].legend(handles, labels, loc="center", title="method (runs)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
