@@ -10,7 +10,9 @@ from mkdocs.structure.files import File
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS_MARK = "<!-- options -->"
-RESULTS = ("RESULTS.md", "speed/results.png", "learning/real_model.png", "learning/learning.png")
+RESULTS = (
+    "RESULTS.md", "speed/results.png", "learning/real_model.png", "learning/learning.png", "credit/curves.png"
+)
 
 
 def on_files(files, config):
