@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval_episodes", type=int, default=64)
     parser.add_argument("--sft_steps", type=int, default=policy.SFTSettings.steps)
     parser.add_argument("--config", nargs="+", metavar="FIELD=VALUE", help="More PPOConfig fields (e.g. lam=1.0 "
-                        "critic_warmup_steps=20), in the row and its key: the critic's variants of part 4.")
+                        "critic_warmup_steps=20), in the row and its key: the critic's variants in RESULTS.")
     parser.add_argument("--out", required=True, help="JSONL file the row is appended to.")
     parser.add_argument("--work_dir", default="/tmp/trl_ppo_credit", help="SFT policies and run folders.")
     args = parser.parse_args(argv)
