@@ -93,9 +93,11 @@ def one_start(args, output_dir: str, start: int, log) -> tuple[list[dict], dict]
     if os.path.isdir(output_dir):
         seen = {checkpoint_step(path) for path in checkpoint_folders(output_dir)}
     while process.poll() is None:
-        # Only once this start has trained (saved a checkpoint): before its preemption handler is in place, a
-        # SIGTERM ends the process as the default action does (exit -15), which would say nothing about growth.
-        if signalled is None and samples and time.monotonic() - began > args.segment_seconds:
+        # Only while this start trains (it has saved a checkpoint, not yet the last): before its preemption handler
+        # is in place, or once the process exits after the run, a SIGTERM ends it as the default action does (exit
+        # -15), which would say nothing about growth.
+        training = samples and max(seen) < args.updates
+        if signalled is None and training and time.monotonic() - began > args.segment_seconds:
             process.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
         present = checkpoint_folders(output_dir) if os.path.isdir(output_dir) else []
@@ -108,6 +110,10 @@ def one_start(args, output_dir: str, start: int, log) -> tuple[list[dict], dict]
         time.sleep(0.2)
     record = {"start": start, "exit": process.returncode, "seconds": round(time.monotonic() - began, 1),
               "stop_seconds": round(time.monotonic() - signalled, 1) if signalled else None}
+    # A SIGTERM sent just before the last checkpoint can land while the finished process exits: status -15, the
+    # model saved (a known limit of `trl-ppo`, docs/resuming.md); the run has ended, nothing was lost.
+    finished = os.path.exists(os.path.join(output_dir, "model.safetensors"))
+    record["after_the_end"] = bool(signalled and finished and process.returncode == -signal.SIGTERM)
     return samples, record
 
 
@@ -138,7 +144,8 @@ def summary(samples: list[dict], starts: list[dict], save_steps: int, warmup: in
     first, last = samples[0], samples[-1]
     lines += [
         "",
-        f"starts: {len(starts)} (exit codes {sorted({s['exit'] for s in starts})}; SIGTERM to exit "
+        f"starts: {len(starts)} (exit codes {sorted({s['exit'] for s in starts})}, "
+        f"{sum(s.get('after_the_end', False) for s in starts)} signalled as the finished run exited; SIGTERM to exit "
         f"{max((s['stop_seconds'] or 0) for s in starts)} s at most); {len(samples)} samples",
         f"RSS slope within a start after its first {warmup} updates, MiB per 1,000 updates: {slopes}",
         f"open fds: {min(s['fds'] for s in samples)} to {max(s['fds'] for s in samples)}",
@@ -170,7 +177,7 @@ def main(argv=None) -> None:
                   f"{mine[0]['update'] if mine else '-'}..{mine[-1]['update'] if mine else '-'}", flush=True)
             for row in ([{"kind": "sample", **s} for s in mine] + [{"kind": "start", **record}]) if args.out else []:
                 append_row(args.out, row)
-            if record["exit"] != 0:
+            if record["exit"] != 0 and not record["after_the_end"]:
                 raise SystemExit(f"start {record['start']} exited {record['exit']}: see {work_dir}/run.log")
     print(f"\n{args.updates} updates, {os.cpu_count()} CPUs, run folder {output_dir}\n")
     print(summary(samples, starts, args.save_steps))
