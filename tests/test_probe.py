@@ -8,6 +8,9 @@ import time
 
 import pytest
 from conftest import REPO_ROOT
+from transformers import PreTrainedTokenizerBase
+
+from trl_ppo.agents.chat import has_parsing_api
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "benchmark", "reliability"))
 
@@ -25,14 +28,19 @@ QUICK_CASES = {
 @pytest.mark.slow
 def test_the_quickest_cases_keep_their_outcomes(tmp_path):
     cases = {case.name: case for case in probe.CASES}
+    # Tools need transformers' parsing API (5.24 on); `make test-oldest`'s 5.3 refuses them at construction.
+    expected = {name: outcome for name, outcome in QUICK_CASES.items()
+                if has_parsing_api(PreTrainedTokenizerBase) or cases[name].kind not in ("tool", "environment")}
     start = time.perf_counter()
-    results = [probe.run_case(cases[name], tmp_path) for name in QUICK_CASES]
+    results = [probe.run_case(cases[name], tmp_path) for name in expected]
     outcomes = {result.case.name: (result.outcome, result.detail, result.last_line) for result in results}
-    assert {name: outcome[0] for name, outcome in outcomes.items()} == QUICK_CASES, outcomes
+    assert {name: outcome[0] for name, outcome in outcomes.items()} == expected, outcomes
     assert time.perf_counter() - start < 120  # about 30 s on 2 shared cores
     table = probe.table(results)
-    assert "| tool_hangs | tool | handled |" in table and "| stopped, named | 3 |" in table
-    assert "| total | 5 |" in table
+    named = sum(outcome == "stopped, named" for outcome in expected.values())
+    assert f"| stopped, named | {named} |" in table and f"| total | {len(expected)} |" in table
+    if "tool_hangs" in expected:
+        assert "| tool_hangs | tool | handled |" in table
 
 
 def test_the_last_line_skips_progress_bars_and_table_borders():
