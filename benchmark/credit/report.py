@@ -86,7 +86,8 @@ def best_lr(rows: list[dict], name: str) -> float:
 
 def sweep_table(rows: list[dict]) -> str:
     """Seed 0, every method x learning rate: what `best_lr` ranks by, and the final sampled success."""
-    lines = ["| method | lr | tasks learnt and kept | episodes to 0.8, summed over tasks | final sampled, mean over tasks |",
+    lines = ["| method | lr | tasks learnt and kept | episodes to 0.8, summed over tasks "
+             "| final sampled, mean over tasks |",
              "|---" * 5 + "|"]
     for name in sorted({method(r) for r in rows}):
         by_lr, chosen = seed0_by_lr(rows, name), best_lr(rows, name)
@@ -107,7 +108,8 @@ def chosen(rows: list[dict]) -> list[dict]:
 def summary(rows: list[dict]) -> str:
     """Per method over all tasks and seeds: final sampled success, runs that never reached 0.8 and runs that ended
     below it (reached it, then lost it), median episodes to 0.8."""
-    lines = ["| method | runs | final sampled (mean ± sd) | never reached 0.8 | ended below 0.8 | median episodes to 0.8 |",
+    lines = ["| method | runs | final sampled (mean ± sd) | never reached 0.8 | ended below 0.8 "
+             "| median episodes to 0.8 |",
              "|---" * 6 + "|"]
     for name in sorted({method(r) for r in rows}):
         mine = [r for r in rows if method(r) == name]

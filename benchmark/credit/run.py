@@ -145,7 +145,20 @@ def episodes_to_reach(curve: list[float], per_update: int, level: float = LEVEL)
     return next(((update + 1) * per_update for update, value in enumerate(curve) if value >= level), None)
 
 
-def run(args) -> dict:
+def train_ppo(args, tokenizer, model, sft_path: str) -> tuple[list[float], dict]:
+    """Train the cell with trl_ppo -> (the success curve, nothing more for the row)."""
+    train = trainer(args, tokenizer, model, sft_path)
+    train.train()
+    # The environment's score is 1.0 on success, 0.0 otherwise (turn rewards are separate): its batch mean is the
+    # share of the update's episodes that succeeded.
+    curve = [round(float(h["objective/scores/environment"]), 4) for h in train.state.log_history
+             if "objective/scores/environment" in h]
+    return curve, {}
+
+
+def run(args, train=train_ppo) -> dict:
+    """SFT (cached), evaluate, `train(args, tokenizer, model, sft_path)` -> (curve, more row fields), evaluate ->
+    the row."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -156,12 +169,7 @@ def run(args) -> dict:
     sft_path = policy.train_sft(args.task, tokenizer, settings, os.path.join(args.work_dir, "sft"))
     model = AutoModelForCausalLM.from_pretrained(sft_path)
     before = evaluation(model, tokenizer, args)
-    train = trainer(args, tokenizer, model, sft_path)
-    train.train()
-    # The environment's score is 1.0 on success, 0.0 otherwise (turn rewards are separate): its batch mean is the
-    # share of the update's episodes that succeeded.
-    curve = [round(float(h["objective/scores/environment"]), 4) for h in train.state.log_history
-             if "objective/scores/environment" in h]
+    curve, more = train(args, tokenizer, model, sft_path)
     after = evaluation(model, tokenizer, args)
     return {
         "task": args.task, "estimator": args.estimator, "gae_level": args.gae_level, "seed": args.seed,
@@ -169,21 +177,25 @@ def run(args) -> dict:
         "num_generations": args.num_generations, "config": args.config,
         "success_curve": curve, "before": before, "final": after,
         f"episodes_to_{LEVEL}": episodes_to_reach(curve, args.batch),
-        "cpu_seconds": round(time.process_time() - cpu, 1), "sft": settings.key(args.task),
+        "cpu_seconds": round(time.process_time() - cpu, 1), "sft": settings.key(args.task), **more,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def cell(args, train=train_ppo) -> None:
+    """Run the cell `args` names and append its row to `args.out`, unless a row for it is already there."""
     key = row_key(vars(args))
     if key in done_keys(args.out):
         print(f"skipped: a row for {dict(zip(KEY_FIELDS, key))} is already in {args.out}")
         return
-    row = run(args)
+    row = run(args, train)
     append_row(args.out, row)
     print(f"{args.task} {args.estimator} {args.gae_level or ''} seed {args.seed}: success {row['before']} -> "
           f"{row['final']}, curve {row['success_curve']}, {row['cpu_seconds']}s CPU")
+
+
+def main(argv=None) -> None:
+    cell(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import run  # noqa: E402  (run.py's arguments, dataset, evaluation and row keys; it puts benchmark/ on the path)
-import policy  # noqa: E402  isort: skip
+import run  # noqa: E402  (run.py's arguments, dataset and cell; it puts benchmark/ on the path)
 import tasks  # noqa: E402  isort: skip
-from rows import append_row  # noqa: E402  isort: skip
 
 TURN_REWARDS = ("key_to_door",)  # tools that pay per turn: TRL would read the (observation, reward) pair as text
 
@@ -60,40 +57,24 @@ def trainer(args, tokenizer, model, outcomes: list[float]):
                        environment_factory=recording(args.task, outcomes))
 
 
+def train_trl(args, tokenizer, model, sft_path: str) -> tuple[list[float], dict]:
+    """Train the cell with TRL's GRPOTrainer -> (the success curve counted from the environments, the row's
+    episode count and trainer)."""
+    import trl
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    outcomes: list[float] = []
+    trainer(args, tokenizer, model, outcomes).train()
+    curve = [round(sum(outcomes[i:i + args.batch]) / args.batch, 4) for i in range(0, len(outcomes), args.batch)]
+    return curve, {"episodes": len(outcomes), "trainer": f"trl {trl.__version__}"}
+
+
 def main(argv=None) -> None:
     args = run.parse_args(["--estimator", "grpo", *(argv if argv is not None else sys.argv[1:])])
     if args.task in TURN_REWARDS:
         raise SystemExit(f"{args.task} pays per turn through its tools, which TRL reads as text: use another task")
     args.estimator = "trl_grpo"
-    if run.row_key(vars(args)) in run.done_keys(args.out):
-        print(f"skipped: the row is already in {args.out}")
-        return
-    import torch
-    import trl
-    from transformers import AutoModelForCausalLM
-
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    torch.set_num_threads(1)
-    cpu = time.process_time()
-    tokenizer = tasks.build_tokenizer()
-    sft_path = policy.train_sft(args.task, tokenizer, policy.SFTSettings(steps=args.sft_steps),
-                                os.path.join(args.work_dir, "sft"))
-    model = AutoModelForCausalLM.from_pretrained(sft_path)
-    before = run.evaluation(model, tokenizer, args)
-    outcomes: list[float] = []
-    trainer(args, tokenizer, model, outcomes).train()
-    curve = [round(sum(outcomes[i:i + args.batch]) / args.batch, 4) for i in range(0, len(outcomes), args.batch)]
-    row = {
-        "task": args.task, "estimator": "trl_grpo", "gae_level": None, "seed": args.seed, "lr": args.lr,
-        "updates": args.updates, "episodes_per_update": args.batch, "num_generations": args.num_generations,
-        "success_curve": curve, "before": before, "final": run.evaluation(model, tokenizer, args),
-        f"episodes_to_{run.LEVEL}": run.episodes_to_reach(curve, args.batch),
-        "cpu_seconds": round(time.process_time() - cpu, 1), "episodes": len(outcomes),
-        "trainer": f"trl {trl.__version__}", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-    }
-    append_row(args.out, row)
-    print(f"{args.task} TRL GRPO seed {args.seed}: {before} -> {row['final']}, curve {curve}, "
-          f"{row['cpu_seconds']}s CPU")
+    run.cell(args, train_trl)
 
 
 if __name__ == "__main__":
