@@ -95,3 +95,42 @@ def test_held_out_episodes_are_played_with_both_tools_and_scored(monkeypatch):
     result = warm.evaluate(torch.nn.Linear(1, 1), tokenizer, problems, budget=400)
     assert result["success"] == 1.0 and result["tool_call_rate"] == 1.0
     assert all(len(turns) == 3 for turns in scripts.values()) and len(scripts) == 2
+
+
+def two_call_shapes(shapes, seeds=60):
+    seen = set()
+    for seed in range(seeds):
+        messages = warm.two_operation_conversation(random.Random(seed), shapes)
+        calls = [m["tool_calls"][0]["function"] for m in messages if m.get("tool_calls")]
+        answers = [m["content"] for m in messages if m["role"] == "tool"]
+        first, second = (getattr(warm, call["name"]) for call in calls)
+        assert calls[1]["arguments"]["a"] == first(**calls[0]["arguments"])  # chained on the first answer
+        assert answers == [str(first(**calls[0]["arguments"])), str(second(**calls[1]["arguments"]))]
+        assert messages[-1]["content"] == f"The answer is {answers[1]}."
+        seen.add((first, second))
+    return seen
+
+
+def test_two_call_transcripts_chain_the_first_answer_into_the_second_call():
+    assert two_call_shapes(warm.CHAIN_SHAPES) == set(warm.CHAIN_SHAPES)
+    assert two_call_shapes(warm.OTHER_SHAPES) == set(warm.OTHER_SHAPES)  # never the task's (multiply, add)
+    assert (warm.multiply, warm.add) not in warm.OTHER_SHAPES
+    tokenizer = chatml_tokenizer()
+    examples = warm.warm_start_examples(tokenizer, 40, seed=0, chain_rate=0.5)
+    calls = [tokenizer.decode(ids).count("<tool_call>\n{\"name\": \"") for ids, _ in examples]
+    assert set(calls) == {1, 2} and 10 < calls.count(2) < 30
+
+
+def test_task_shaped_transcripts_are_never_held_out_problems(monkeypatch):
+    a, b, c = warm.split_problems()[0][0]
+    draws = iter([0, a, b, c, 500])  # the shape, then a held-out triple: its c is drawn again
+
+    class Scripted(random.Random):
+        def choice(self, seq):
+            return seq[next(draws)]
+
+        def randint(self, low, high):
+            return next(draws)
+
+    messages = warm.two_operation_conversation(Scripted())
+    assert messages[0]["content"] == f"What is ({a} * {b}) + 500?"

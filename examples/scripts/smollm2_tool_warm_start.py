@@ -71,6 +71,9 @@ def split_problems(num_held_out: int = NUM_HELD_OUT, count: int = 2000, seed: in
     return problems[:num_held_out], problems[num_held_out:]
 
 
+HELD_OUT = frozenset(split_problems()[0])
+
+
 def question(a: int, b: int, c: int) -> str:
     return f"What is ({a} * {b}) + {c}?"
 
@@ -100,6 +103,28 @@ def one_operation_conversation(rng: random.Random) -> list[dict]:
     ]
 
 
+# The two-call shapes: every pair of (first, second) operations; OTHER_SHAPES leaves out the task's own.
+CHAIN_SHAPES = ((multiply, add), (add, multiply), (multiply, multiply), (add, add))
+OTHER_SHAPES = CHAIN_SHAPES[1:]
+
+
+def two_operation_conversation(rng: random.Random, shapes=CHAIN_SHAPES) -> list[dict]:
+    """A two-call demonstration "(a op b) op c" of one of `shapes`, each step one call, the second on the first's
+    answer, on numbers drawn like the task's (a training problem when the shape is the task's)."""
+    first, second = rng.choice(shapes)
+    a, b = rng.randint(13, 99), rng.randint(13, 99)
+    c = rng.randint(100, 999) if second is add else rng.randint(13, 99)
+    while (first, second) == CHAIN_SHAPES[0] and (a, b, c) in HELD_OUT:  # never a held-out problem
+        c = rng.randint(100, 999)
+    signs = {multiply: "*", add: "+"}
+    messages = [{"role": "user", "content": f"What is ({a} {signs[first]} {b}) {signs[second]} {c}?"}]
+    for tool, x, y in ((first, a, b), (second, first(a, b), c)):
+        call = {"type": "function", "function": {"name": tool.__name__, "arguments": {"a": x, "b": y}}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "name": tool.__name__, "content": str(tool(x, y))}]
+    return messages + [{"role": "assistant", "content": f"The answer is {second(first(a, b), c)}."}]
+
+
 def rendering_tokenizer(tokenizer):
     """A copy of `tokenizer` with the shipped ChatML tool template and its parser (the caller's is left as it is):
     transcripts and evaluation episodes render as the trainer's with `tool_chat_template="chatml"`."""
@@ -110,15 +135,20 @@ def rendering_tokenizer(tokenizer):
     return rendering
 
 
-def warm_start_examples(tokenizer, count: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """`count` (ids, labels) pairs of one-operation transcripts, labels on the model's turns only."""
+def warm_start_examples(tokenizer, count: int, seed: int = 0, chain_rate: float = 0.0, shapes=CHAIN_SHAPES):
+    """`count` (ids, labels) pairs of transcripts, labels on the model's turns only: a fraction `chain_rate` of
+    two-call ones of `shapes` (`two_operation_conversation`), the rest one-call ones."""
     rng, rendering = random.Random(seed), rendering_tokenizer(tokenizer)
-    return [agent_task.sft_example(rendering, one_operation_conversation(rng), TOOLS) for _ in range(count)]
+
+    def conversation():
+        return two_operation_conversation(rng, shapes) if rng.random() < chain_rate else one_operation_conversation(rng)
+
+    return [agent_task.sft_example(rendering, conversation(), TOOLS) for _ in range(count)]
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
 def evaluate(model, tokenizer, problems, max_turns: int = 4, budget: int = 160, temperature: float | None = None,
-             batch_size: int = 25) -> dict:
+             batch_size: int = 25, score=None) -> dict:
     """Episodes on "(a * b) + c" `problems` with both tools, greedy (`temperature` None) -> `agent_task`'s
     {"success", "tool_call_rate", "success_when_calling", "sample", "episodes"}."""
     rendering = rendering_tokenizer(tokenizer)
@@ -126,7 +156,7 @@ def evaluate(model, tokenizer, problems, max_turns: int = 4, budget: int = 160, 
                                                               add_generation_prompt=True), add_special_tokens=False)
                for p in problems]
     return agent_task.evaluate_prompts(model, rendering, prompts, [answer(*p) for p in problems], list(TOOLS),
-                                       max_turns, budget, temperature, batch_size=batch_size)
+                                       max_turns, budget, temperature, batch_size=batch_size, score=score)
 
 
 # -------------------------------------------------------------------------------------------- the warm start
@@ -135,14 +165,14 @@ def is_done(folder: str) -> bool:
 
 
 def warm_start(model, tokenizer, output_dir: str, steps: int, batch_size: int = 8, learning_rate: float = 2e-4,
-               seed: int = 0) -> str:
+               seed: int = 0, chain_rate: float = 0.0, shapes=CHAIN_SHAPES) -> str:
     """Fine-tune `model` for `steps` steps on one-operation transcripts with transformers' `Trainer`, and save it
     with `tokenizer` (its own chat template) to `output_dir`; a folder already done is returned as it is."""
     if is_done(output_dir):
         return output_dir
     from transformers import Trainer, TrainingArguments
 
-    examples = warm_start_examples(tokenizer, steps * batch_size, seed)
+    examples = warm_start_examples(tokenizer, steps * batch_size, seed, chain_rate, shapes)
     args = TrainingArguments(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
                              learning_rate=learning_rate, lr_scheduler_type="constant", logging_steps=10,
                              save_strategy="no", report_to="none", seed=seed, use_cpu=True,
@@ -153,8 +183,21 @@ def warm_start(model, tokenizer, output_dir: str, steps: int, batch_size: int = 
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     with open(os.path.join(output_dir, DONE_MARKER), "w") as marker:
-        marker.write(f"steps={steps} batch_size={batch_size} learning_rate={learning_rate} seed={seed}\n")
+        marker.write(f"steps={steps} batch_size={batch_size} learning_rate={learning_rate} seed={seed} "
+                     f"chain_rate={chain_rate} shapes={'all' if shapes == CHAIN_SHAPES else 'others'}\n")
     return output_dir
+
+
+def cached_warm_start(model_folder: str, tokenizer, output_dir: str = DEFAULT_OUTPUT) -> str:
+    """The warm start in `output_dir`, made from `model_folder` with the defaults when it is not there yet ->
+    its settings (the marker's line: they name the warm start in benchmark rows)."""
+    if not is_done(output_dir):
+        from transformers import AutoModelForCausalLM
+
+        print(f"Warm start (cached in {output_dir} for the next run)...", flush=True)
+        warm_start(AutoModelForCausalLM.from_pretrained(model_folder), tokenizer, output_dir, steps=10)
+    with open(os.path.join(output_dir, DONE_MARKER)) as marker:
+        return marker.read().strip()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,7 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chain_rate", type=float, default=0.0, help="fraction of two-call transcripts")
+    parser.add_argument("--other_shapes", action="store_true", help="two-call transcripts never of the task's shape")
     parser.add_argument("--evaluate", type=int, default=0, help="held-out problems to play greedily before and after")
+    parser.add_argument("--temperature", type=float, default=None, help="also evaluate sampled at this temperature")
+    parser.add_argument("--skip_before", action="store_true", help="evaluate the warm start only")
     args = parser.parse_args(argv)
     import time
 
@@ -174,13 +221,20 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(args.model)
     held_out = split_problems()[0][: args.evaluate]
-    if held_out:
+    if held_out and not args.skip_before:
         report("before", evaluate(model, tokenizer, held_out))
     start = time.process_time()
-    folder = warm_start(model, tokenizer, args.output_dir, args.steps, args.batch_size, args.learning_rate, args.seed)
+    folder = warm_start(model, tokenizer, args.output_dir, args.steps, args.batch_size, args.learning_rate, args.seed,
+                        args.chain_rate, OTHER_SHAPES if args.other_shapes else CHAIN_SHAPES)
     print(f"Warm start in {folder} ({time.process_time() - start:.0f} CPU s in this process)")
     if held_out:
-        report("after", evaluate(AutoModelForCausalLM.from_pretrained(folder), tokenizer, held_out))
+        start = time.process_time()
+        warm = AutoModelForCausalLM.from_pretrained(folder)
+        report("after", evaluate(warm, tokenizer, held_out))
+        if args.temperature is not None:
+            report(f"after, sampled at {args.temperature}", evaluate(warm, tokenizer, held_out,
+                                                                     temperature=args.temperature))
+        print(f"[evaluation: {time.process_time() - start:.0f} CPU s]")
 
 
 def report(when: str, result: dict) -> None:

@@ -1,0 +1,150 @@
+"""A real chat model learns a tool (issue 43, part 4): one cell, an estimator x a seed, trained from the cached
+SmolLM2-135M-Instruct warm start on "(a * b) + c" with `multiply` and `add`, evaluated greedily on the 100 held-out
+problems; a JSON row appended to `--out`.
+
+    OMP_NUM_THREADS=1 python benchmark/agents/smollm2_tool.py --estimator gae --seed 0
+    OMP_NUM_THREADS=1 python benchmark/agents/smollm2_tool.py --estimator trl_grpo --seed 0
+
+'gae' is PPO with turn-level GAE (lam 1.0) and a value head; 'grpo', 'rloo' and 'reinforce_baseline' are trl_ppo's
+critic-free estimators with groups of `--num_generations`; 'trl_grpo' is TRL 1.12's GRPOTrainer with the same tools,
+template, reward, group size, rate and episode budget (TRL's own defaults for its loss; no KL term). Every method sees
+`--updates x --batch_size` episodes, one optimizer step per update. The warm start's evaluation is the same for every
+cell (greedy, cached in `--work_dir`); a row already in `--out` for the same cell is skipped, and a cell stopped
+part-way resumes from its last checkpoint (`--save_steps`) when run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), os.path.dirname(HERE)]
+import smollm2_tool_agent as agent  # noqa: E402  (the trainer, reward and evaluation of the demo)
+from rows import append_row  # noqa: E402
+
+task = agent.task
+OUT = os.path.join(HERE, "smollm2_tool.jsonl")
+KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "warm_start_settings")
+SUMMARY = ("success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode")
+
+
+def parse_args(argv=None):
+    parser = agent.build_parser(__doc__, (*agent.ESTIMATORS, "trl_grpo"))
+    parser.add_argument("--out", default=OUT, help="JSONL file the row is appended to")
+    parser.add_argument("--work_dir", default=os.path.join(ROOT, "runs", "smollm2_tool"),
+                        help="run folders (checkpoints) and the warm start's cached evaluation")
+    args = agent.parse_args(argv, parser)
+    if args.estimator == "gae":
+        args.num_generations = 1
+    args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}")
+    return args
+
+
+def row_key(row: dict) -> tuple:
+    return tuple(json.dumps(row.get(name)) for name in KEY_FIELDS)
+
+
+def summary(result: dict) -> dict:
+    """An evaluation's numbers and first episode, for the row."""
+    return {name: round(result[name], 4) for name in SUMMARY} | {"sample": result["sample"]}
+
+
+def last_checkpoint(folder: str) -> bool:
+    return os.path.isdir(folder) and any(name.startswith("checkpoint-") for name in os.listdir(folder))
+
+
+def train_trl_ppo(args, tokenizer):
+    """trl_ppo's trainer -> (the trained LM, the training success curve)."""
+    policy = agent.load_policy(args.warm_start, args.estimator == "gae")
+    trainer = agent.trainer_for(args, policy, tokenizer)
+    trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
+    curve = [round(float(h["objective/scores/answer_reward"]), 4) for h in trainer.state.log_history
+             if "objective/scores/answer_reward" in h]
+    return getattr(policy, "pretrained_model", policy), curve
+
+
+def trl_reward(outcomes: list[float]):
+    def answer_reward(prompts, completions, answer, **columns) -> list[float]:
+        """TRL passes conversational completions (messages): the final assistant turn's last number."""
+        from agent_task import final_answer
+
+        scores = [float(agent.final_number("</tool_call>" + final_answer(c)) == int(a))
+                  for c, a in zip(completions, answer)]
+        outcomes.extend(scores)
+        return scores
+
+    return answer_reward
+
+
+def train_trl_grpo(args, tokenizer):
+    """TRL 1.12's GRPOTrainer -> (the trained LM, the training success curve from its reward calls)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    model = AutoModelForCausalLM.from_pretrained(args.warm_start)
+    rows = task.split_problems()[1]
+    data = Dataset.from_dict({"prompt": [task.prompt_messages(*p) for p in rows],
+                              "answer": [task.answer(*p) for p in rows]})
+    config = GRPOConfig(
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
+        learning_rate=args.learning_rate, max_steps=args.updates, num_generations=args.num_generations,
+        temperature=1.0, max_completion_length=args.response_length, max_tool_calling_iterations=args.max_turns - 1,
+        seed=args.seed, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        save_total_limit=1, report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True,
+    )
+    outcomes: list[float] = []
+    trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[trl_reward(outcomes)],
+                          processing_class=task.rendering_tokenizer(tokenizer), tools=list(task.TOOLS))
+    trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
+    curve = [round(sum(outcomes[i:i + args.batch_size]) / args.batch_size, 4)
+             for i in range(0, len(outcomes), args.batch_size)]
+    return model, curve
+
+
+def run(args, tokenizer) -> dict:
+    import torch
+
+    held_out = task.split_problems()[0][: args.held_out]
+    before = summary(agent.warm_start_evaluation(args, tokenizer, held_out))
+    cpu = time.process_time()
+    model, curve = (train_trl_grpo if args.estimator == "trl_grpo" else train_trl_ppo)(args, tokenizer)
+    train_cpu = time.process_time() - cpu
+    after = summary(agent.evaluate(model, tokenizer, held_out, args))
+    return {
+        "estimator": args.estimator, "seed": args.seed, "learning_rate": args.learning_rate, "updates": args.updates,
+        "batch_size": args.batch_size, "num_generations": args.num_generations, "kl_coef": args.kl_coef,
+        "ppo_epochs": args.ppo_epochs, "warm_start_settings": args.warm_start_settings, "held_out": len(held_out),
+        "before": before, "after": after, "training_success": curve, "train_cpu_seconds": round(train_cpu, 1),
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    args.warm_start_settings = task.cached_warm_start(args.model, tokenizer, args.warm_start)
+    done = set()
+    if os.path.exists(args.out):
+        with open(args.out) as lines:
+            done = {row_key(json.loads(line)) for line in lines if line.strip()}
+    if row_key(vars(args)) in done:
+        print(f"skipped: {args.out} has a row for {args.estimator} seed {args.seed}")
+        return
+    row = run(args, tokenizer)
+    append_row(args.out, row)
+    print(f"{args.estimator} seed {args.seed}: held-out success {row['before']['success']} -> "
+          f"{row['after']['success']}, training {row['train_cpu_seconds']} CPU s")
+
+
+if __name__ == "__main__":
+    main()

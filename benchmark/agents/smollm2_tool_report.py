@@ -1,0 +1,81 @@
+"""The table and plot of `smollm2_tool.py`'s rows: per method and learning rate, greedy held-out success of the
+warm start and after training (each seed), the gain, tool calls and tool errors per episode, training CPU seconds.
+
+    python benchmark/agents/smollm2_tool_report.py benchmark/agents/smollm2_tool.jsonl --plot smollm2_tool.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def cells(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows grouped by (estimator, learning rate, updates, batch size), seeds in order."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in sorted(rows, key=lambda r: r["seed"]):
+        groups.setdefault((row["estimator"], row["learning_rate"], row["updates"], row["batch_size"]), []).append(row)
+    return groups
+
+
+def mean(values) -> float:
+    return statistics.mean(values) if values else float("nan")
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| method | lr | updates x episodes | seeds | held-out success: warm start -> after (each seed) | "
+             "mean gain | calls / episode after | tool errors / episode after | training CPU-s (mean) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (estimator, lr, updates, batch), group in sorted(cells(rows).items()):
+        gains = [r["after"]["success"] - r["before"]["success"] for r in group]
+        seeds = ", ".join(f"{r['before']['success']:.2f} -> {r['after']['success']:.2f}" for r in group)
+        lines.append(
+            f"| {estimator} | {lr:g} | {updates} x {batch} | {len(group)} | {seeds} | {mean(gains):+.2f} | "
+            f"{mean([r['after']['calls_per_episode'] for r in group]):.2f} | "
+            f"{mean([r['after']['tool_errors_per_episode'] for r in group]):.2f} | "
+            f"{mean([r['train_cpu_seconds'] for r in group]):.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Left: each method's training success per update (mean over seeds). Right: held-out success before and
+    after, each seed a dot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, held_out) = plt.subplots(1, 2, figsize=(11, 3.8))
+    groups = sorted(cells(rows).items())
+    for index, ((estimator, lr, updates, batch), group) in enumerate(groups):
+        name = f"{estimator} lr {lr:g} ({len(group)})"
+        steps = min(len(r["training_success"]) for r in group)
+        curve = [mean([r["training_success"][i] for r in group]) for i in range(steps)]
+        curves.plot([(i + 1) * batch for i in range(steps)], curve, label=name)
+        for row in group:
+            held_out.plot([index - 0.15, index + 0.15], [row["before"]["success"], row["after"]["success"]],
+                          marker="o", color=f"C{index}", alpha=0.7)
+    curves.set_xlabel("training episodes")
+    curves.set_ylabel("training success (sampled)")
+    curves.legend(fontsize=8)
+    held_out.set_xticks(range(len(groups)), [f"{e}\n{lr:g}" for (e, lr, *_), _ in groups], fontsize=8)
+    held_out.set_ylabel("held-out success (greedy)\nwarm start -> after")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rows", help="JSONL file of smollm2_tool.py rows")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the training curves and held-out success")
+    args = parser.parse_args(argv)
+    with open(args.rows) as lines:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    print(table(rows))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

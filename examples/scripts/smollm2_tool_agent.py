@@ -1,0 +1,193 @@
+"""A real chat model learns to use a tool on a CPU (`make demo-agent`): SmolLM2-135M-Instruct, warm-started on the
+tool-call format (`smollm2_tool_warm_start.py`, cached in .cache/), trained with PPO to answer "What is (a * b) + c?"
+with a `multiply` and an `add` tool that each do one operation, so that every problem needs two calls.
+
+    python examples/scripts/get_smollm2.py .cache/smollm2-135m-instruct
+    python examples/scripts/smollm2_tool_agent.py                       # PPO: turn-level GAE, a value head
+    python examples/scripts/smollm2_tool_agent.py --estimator grpo      # or rloo, reinforce_baseline
+
+SmolLM2's own chat template has no tool section: the trainer is given the ChatML tool template shipped with trl_ppo
+by name (`tool_chat_template="chatml"`); no parser is written here. The reward is 1.0 when the last number of the
+model's final turn is (a * b) + c, else 0.0, at the end of the episode only. Greedy success on held-out problems
+(never trained on) is printed before and after training, with the tool calls and tool errors per episode and the
+CPU seconds of each phase (process time: run with OMP_NUM_THREADS=1 to read them as one core's). The measured
+comparison of the estimators is `benchmark/agents/smollm2_tool.py`'s (RESULTS, "A real chat model learns a tool").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import smollm2_tool_warm_start as task  # noqa: E402  (the problems, the tools, the warm start, the evaluation)
+
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_baseline")
+
+
+# ---------------------------------------------------------------------------------------------- the reward
+def final_number(completion: str) -> int | None:
+    """The last integer of the model's final turn (after its last tool call), or None."""
+    numbers = re.findall(r"-?\d+", completion.rsplit("</tool_call>", 1)[-1].replace(",", ""))
+    return int(numbers[-1]) if numbers else None
+
+
+def answer_reward(prompts, completions, answer, **columns) -> list[float]:
+    """1.0 when the final turn's last number is the answer, else 0.0 (`completions`: the model's own tokens)."""
+    return [float(final_number(c) == int(a)) for c, a in zip(completions, answer)]
+
+
+def is_correct(completion: str, answer: int) -> bool:
+    return final_number(completion) == int(answer)
+
+
+# ----------------------------------------------------------------------------------------------- the trainer
+def config(args):
+    from trl_ppo import PPOConfig
+
+    critic = args.estimator == "gae"
+    return PPOConfig(
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
+        total_episodes=args.batch_size * args.updates, num_ppo_epochs=args.ppo_epochs, num_mini_batches=1,
+        learning_rate=args.learning_rate, temperature=1.0, response_length=args.response_length,
+        max_turns=args.max_turns, max_tool_response_length=8, stop_token="eos", missing_eos_penalty=1.0,
+        tool_chat_template="chatml", advantage_estimator=args.estimator,
+        gae_level="turn", lam=1.0,  # the final answer's reward reaches the first call undecayed (RESULTS, credit)
+        num_generations=1 if critic else args.num_generations, kl_coef=args.kl_coef,
+        local_rollout_forward_batch_size=args.batch_size, num_sample_generations=0, seed=args.seed,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=1,
+        report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
+    )
+
+
+def trainer_for(args, policy, tokenizer):
+    from datasets import Dataset
+
+    from trl_ppo import PPOTrainer
+
+    rows = task.split_problems()[1]  # never a held-out problem
+    dataset = Dataset.from_dict({"prompt": [task.prompt_messages(*p) for p in rows],
+                                 "answer": [task.answer(*p) for p in rows]})
+    return PPOTrainer(args=config(args), processing_class=tokenizer, model=policy, ref_model=None, value_model=None,
+                      reward_model=[answer_reward], train_dataset=dataset, tools=list(task.TOOLS))
+
+
+def load_policy(folder: str, critic: bool):
+    """The warm start as the policy: with a value head (the critic, on the policy's backbone) for 'gae'."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_ppo import AutoModelForCausalLMWithValueHead
+
+    return (AutoModelForCausalLMWithValueHead if critic else AutoModelForCausalLM).from_pretrained(folder)
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def evaluate(model, tokenizer, problems, args) -> dict:
+    """Greedy episodes on `problems`, with training's turns and token budget -> success, tool-call rate, tool calls
+    and tool errors per episode."""
+    result = task.evaluate(model, tokenizer, problems, args.max_turns, args.response_length,
+                           batch_size=args.eval_batch, score=is_correct)
+    episodes = result["episodes"]
+    result["calls_per_episode"] = sum(e.count("<tool_call>") for e in episodes) / len(episodes)
+    result["tool_errors_per_episode"] = sum(e.count("<tool_response>\nError:") for e in episodes) / len(episodes)
+    return result
+
+
+def warm_start_evaluation(args, tokenizer, held_out) -> dict:
+    """The warm start's greedy evaluation, kept in its folder after the first time (it is deterministic); the
+    episodes are not kept, only their numbers and the first one."""
+    import json
+
+    path = os.path.join(args.warm_start, f"evaluation_{len(held_out)}_{args.max_turns}_{args.response_length}.json")
+    if os.path.exists(path):
+        with open(path) as file:
+            return json.load(file)
+    from transformers import AutoModelForCausalLM
+
+    result = evaluate(AutoModelForCausalLM.from_pretrained(args.warm_start), tokenizer, held_out, args)
+    result = {name: value for name, value in result.items() if name != "episodes"}
+    with open(path, "w") as file:
+        json.dump(result, file)
+    return result
+
+
+def report(when: str, result: dict, seconds: float) -> None:
+    print(f"{when}: held-out success {result['success']:.2f}, episodes calling a tool {result['tool_call_rate']:.2f},"
+          f" tool calls per episode {result['calls_per_episode']:.2f}, tool errors per episode "
+          f"{result['tool_errors_per_episode']:.2f} ({seconds:.0f} CPU s)", flush=True)
+    print("  first episode: " + result["sample"].replace("\n", "\n  "), flush=True)
+
+
+def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=task.DEFAULT_MODEL, help="SmolLM2 folder (get_smollm2.py)")
+    parser.add_argument("--warm_start", default=task.DEFAULT_OUTPUT, help="cached warm start (made when missing)")
+    parser.add_argument("--output_dir", default=os.path.join(task.ROOT, "runs", "smollm2_tool_agent"))
+    parser.add_argument("--estimator", choices=estimators, default="gae")
+    parser.add_argument("--updates", type=int, default=24, help="training updates (0: evaluate only)")
+    parser.add_argument("--batch_size", type=int, default=8, help="episodes per update")
+    parser.add_argument("--num_generations", type=int, default=4, help="group size of the critic-free estimators")
+    parser.add_argument("--ppo_epochs", type=int, default=1)
+    parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--kl_coef", type=float, default=0.05)
+    parser.add_argument("--response_length", type=int, default=96, help="model tokens of a whole episode")
+    parser.add_argument("--max_turns", type=int, default=4)
+    parser.add_argument("--held_out", type=int, default=100, help="held-out problems evaluated before and after")
+    parser.add_argument("--eval_batch", type=int, default=25)
+    parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N updates (0: none)")
+    parser.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --output_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
+    """The arguments, checked before any model is loaded."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "num_generations", "ppo_epochs", "response_length", "max_turns", "held_out",
+                 "eval_batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.updates < 0 or args.save_steps < 0:
+        parser.error("--updates and --save_steps must be at least 0")
+    if args.estimator != "gae" and args.batch_size % args.num_generations:
+        parser.error(f"--batch_size ({args.batch_size}) must be a multiple of --num_generations "
+                     f"({args.num_generations})")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        parser.error(f"--model {args.model} is not a model folder: run examples/scripts/get_smollm2.py first")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    start = time.process_time()
+    task.cached_warm_start(args.model, tokenizer, args.warm_start)
+    print(f"[warm start: {time.process_time() - start:.0f} CPU s]", flush=True)
+    held_out = task.split_problems()[0][: args.held_out]
+    start = time.process_time()
+    before = warm_start_evaluation(args, tokenizer, held_out)
+    report("warm start", before, time.process_time() - start)
+    if args.updates == 0:
+        return {"before": before}
+    policy = load_policy(args.warm_start, args.estimator == "gae")
+    lm = getattr(policy, "pretrained_model", policy)
+    start = time.process_time()
+    trainer_for(args, policy, tokenizer).train(resume_from_checkpoint=True if args.resume else None)
+    training = time.process_time() - start
+    print(f"[{args.estimator}: {args.updates} updates of {args.batch_size} episodes, {training:.0f} CPU s]", flush=True)
+    start = time.process_time()
+    after = evaluate(lm, tokenizer, held_out, args)
+    report(f"after {args.estimator}", after, time.process_time() - start)
+    print(f"Held-out success {before['success']:.2f} -> {after['success']:.2f}", flush=True)
+    return {"before": before, "after": after, "train_cpu_seconds": training}
+
+
+if __name__ == "__main__":
+    main()

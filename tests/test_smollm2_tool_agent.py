@@ -1,0 +1,88 @@
+"""The tool-learning demo (examples/scripts/smollm2_tool_agent.py, `make demo-agent`) and its benchmark cell
+(benchmark/agents/smollm2_tool.py), end to end on a tiny ChatML model: the reward, the refusals before any model is
+loaded, a training run of each kind and the benchmark's row. SmolLM2 itself is trained in the benchmark only."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import load_example_script, needs_tool_parsing, tiny_config
+
+from trl_ppo.agents.tiny_chat import build_byte_tokenizer
+
+pytest.importorskip("trl.chat_template_utils", reason="the `templates` extra (trl) is not installed")
+pytestmark = needs_tool_parsing
+agent = load_example_script("smollm2_tool_agent")
+bench = load_example_script("smollm2_tool", os.path.join("benchmark", "agents"))
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_chatml(tmp_path_factory):
+    """A tiny Qwen2 model with a byte-level ChatML tokenizer whose template has no tool section (as SmolLM2's),
+    saved as a model folder."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>",
+                                     pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    config = tiny_config("qwen2", tokenizer)
+    config.max_position_embeddings = 4096
+    torch.manual_seed(0)
+    folder = str(tmp_path_factory.mktemp("tiny_chatml"))
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_reward_reads_the_last_number_of_the_final_turn():
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1200, "b": 34}}\n</tool_call>'
+    completions = [f"{call}The answer is 1,234.", f"{call}", "The answer is 1234, not 99.", "1234 is not -1234"]
+    assert agent.answer_reward(None, completions, [1234] * 4) == [1.0, 0.0, 0.0, 0.0]
+    # the number inside a call is not an answer: an episode that ends on a call scores 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+    (["--estimator", "grpo", "--batch_size", "6", "--num_generations", "4"], "must be a multiple of"),
+    (["--updates", "-1"], "--updates and --save_steps must be at least 0"),
+    (["--model", "/nonexistent"], "get_smollm2.py first"),
+])
+def test_bad_arguments_are_refused_before_any_model_is_loaded(argv, message, capsys, tiny_chatml):
+    with pytest.raises(SystemExit):
+        agent.parse_args(["--model", tiny_chatml, *argv] if "--model" not in argv else argv)
+    assert message in capsys.readouterr().err
+
+
+def small_run(tiny_chatml, tmp_path, *extra):
+    return ["--model", tiny_chatml, "--warm_start", str(tmp_path / "warm"), "--updates", "1", "--batch_size", "4",
+            "--num_generations", "2", "--held_out", "2", "--eval_batch", "2", "--response_length", "24",
+            "--max_turns", "2", *extra]
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_the_demo_warm_starts_trains_and_evaluates(estimator, tiny_chatml, tmp_path, capsys):
+    result = agent.main(small_run(tiny_chatml, tmp_path, "--estimator", estimator, "--output_dir",
+                                  str(tmp_path / "run")))
+    assert os.path.isfile(tmp_path / "warm" / "warm_start_done.txt")  # made once, then cached
+    out = capsys.readouterr().out
+    assert "Held-out success" in out and f"[{estimator}: 1 updates of 4 episodes" in out
+    for when in ("before", "after"):
+        assert 0.0 <= result[when]["success"] <= 1.0 and "calls_per_episode" in result[when]
+
+
+def test_a_benchmark_cell_appends_one_row_and_is_skipped_when_run_again(tiny_chatml, tmp_path, capsys):
+    out = tmp_path / "rows.jsonl"
+    argv = small_run(tiny_chatml, tmp_path, "--estimator", "rloo", "--out", str(out), "--work_dir",
+                     str(tmp_path / "work"))
+    bench.main(argv)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["estimator"] == "rloo" and row["updates"] == 1 and len(row["training_success"]) == 1
+    assert set(row["before"]) >= {"success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode"}
+    assert any(name.startswith("evaluation_2_") for name in os.listdir(tmp_path / "warm"))  # cached
+    bench.main(argv)
+    assert "skipped" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
