@@ -5,7 +5,7 @@ problems; a JSON row appended to `--out`.
     OMP_NUM_THREADS=1 python benchmark/agents/smollm2_tool.py --estimator gae --seed 0
     OMP_NUM_THREADS=1 python benchmark/agents/smollm2_tool.py --estimator trl_grpo --seed 0
 
-'gae' is PPO with turn-level GAE (lam 1.0) and a value head; 'grpo', 'rloo' and 'reinforce_baseline' are trl_ppo's
+'gae' is PPO with turn-level GAE (lam 1.0) and a value head (zero-initialised); 'grpo', 'rloo' and 'reinforce_baseline' are trl_ppo's
 critic-free estimators with groups of `--num_generations`; 'trl_grpo' is TRL 1.12's GRPOTrainer with the same tools,
 template, reward, group size, rate and episode budget (TRL's own defaults for its loss; no KL term). Every method sees
 `--updates x --batch_size` episodes, one optimizer step per update. The warm start's evaluation is the same for every
@@ -28,7 +28,8 @@ from rows import append_row  # noqa: E402
 
 task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
-KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "warm_start_settings")
+KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
+              "lr_scheduler_type", "kl_coef", "warm_start_settings")
 SUMMARY = ("success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode")
 
 
@@ -40,7 +41,8 @@ def parse_args(argv=None):
     args = agent.parse_args(argv, parser)
     if args.estimator == "gae":
         args.num_generations = 1
-    args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}")
+    args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
+                                   f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}")
     return args
 
 
@@ -59,12 +61,12 @@ def last_checkpoint(folder: str) -> bool:
 
 def train_trl_ppo(args, tokenizer):
     """trl_ppo's trainer -> (the trained LM, the training success curve)."""
-    policy = agent.load_policy(args.warm_start, args.estimator == "gae")
+    policy = agent.load_policy(args.warm_start)
     trainer = agent.trainer_for(args, policy, tokenizer)
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
     curve = [round(float(h["objective/scores/answer_reward"]), 4) for h in trainer.state.log_history
              if "objective/scores/answer_reward" in h]
-    return getattr(policy, "pretrained_model", policy), curve
+    return policy, curve
 
 
 def trl_reward(outcomes: list[float]):
@@ -93,7 +95,8 @@ def train_trl_grpo(args, tokenizer):
                               "answer": [task.answer(*p) for p in rows]})
     config = GRPOConfig(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
-        learning_rate=args.learning_rate, max_steps=args.updates, num_generations=args.num_generations,
+        learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
+        max_steps=args.updates * args.ppo_epochs, num_iterations=args.ppo_epochs, num_generations=args.num_generations,
         temperature=1.0, max_completion_length=args.response_length, max_tool_calling_iterations=args.max_turns - 1,
         seed=args.seed, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         save_total_limit=1, report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True,
@@ -119,7 +122,8 @@ def run(args, tokenizer) -> dict:
     return {
         "estimator": args.estimator, "seed": args.seed, "learning_rate": args.learning_rate, "updates": args.updates,
         "batch_size": args.batch_size, "num_generations": args.num_generations, "kl_coef": args.kl_coef,
-        "ppo_epochs": args.ppo_epochs, "warm_start_settings": args.warm_start_settings, "held_out": len(held_out),
+        "ppo_epochs": args.ppo_epochs, "lr_scheduler_type": args.lr_scheduler_type,
+        "warm_start_settings": args.warm_start_settings, "held_out": len(held_out),
         "before": before, "after": after, "training_success": curve, "train_cpu_seconds": round(train_cpu, 1),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }

@@ -53,7 +53,7 @@ def config(args):
     return PPOConfig(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
         total_episodes=args.batch_size * args.updates, num_ppo_epochs=args.ppo_epochs, num_mini_batches=1,
-        learning_rate=args.learning_rate, temperature=1.0, response_length=args.response_length,
+        learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type, temperature=1.0, response_length=args.response_length,
         max_turns=args.max_turns, max_tool_response_length=8, stop_token="eos", missing_eos_penalty=1.0,
         tool_chat_template="chatml", advantage_estimator=args.estimator,
         gae_level="turn", lam=1.0,  # the final answer's reward reaches the first call undecayed (RESULTS, credit)
@@ -76,13 +76,13 @@ def trainer_for(args, policy, tokenizer):
                       reward_model=[answer_reward], train_dataset=dataset, tools=list(task.TOOLS))
 
 
-def load_policy(folder: str, critic: bool):
-    """The warm start as the policy: with a value head (the critic, on the policy's backbone) for 'gae'."""
+def load_policy(folder: str):
+    """The warm start as the policy. With 'gae' the trainer adds the critic, a value head on the policy's backbone,
+    starting at zero (`value_head_init`): a head drawn at random gave values of std ~1 against scores in [0, 1], and
+    the first updates' advantages were mostly its noise (a pilot run)."""
     from transformers import AutoModelForCausalLM
 
-    from trl_ppo import AutoModelForCausalLMWithValueHead
-
-    return (AutoModelForCausalLMWithValueHead if critic else AutoModelForCausalLM).from_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -133,8 +133,10 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
     parser.add_argument("--num_generations", type=int, default=4, help="group size of the critic-free estimators")
     parser.add_argument("--ppo_epochs", type=int, default=1)
     parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--lr_scheduler_type", choices=("constant", "linear"), default="constant")
     parser.add_argument("--kl_coef", type=float, default=0.05)
-    parser.add_argument("--response_length", type=int, default=96, help="model tokens of a whole episode")
+    parser.add_argument("--response_length", type=int, default=160,
+                        help="tokens of a whole episode after the prompt, tool answers included")
     parser.add_argument("--max_turns", type=int, default=4)
     parser.add_argument("--held_out", type=int, default=100, help="held-out problems evaluated before and after")
     parser.add_argument("--eval_batch", type=int, default=25)
@@ -176,14 +178,13 @@ def main(argv=None) -> dict:
     report("warm start", before, time.process_time() - start)
     if args.updates == 0:
         return {"before": before}
-    policy = load_policy(args.warm_start, args.estimator == "gae")
-    lm = getattr(policy, "pretrained_model", policy)
+    policy = load_policy(args.warm_start)
     start = time.process_time()
     trainer_for(args, policy, tokenizer).train(resume_from_checkpoint=True if args.resume else None)
     training = time.process_time() - start
     print(f"[{args.estimator}: {args.updates} updates of {args.batch_size} episodes, {training:.0f} CPU s]", flush=True)
     start = time.process_time()
-    after = evaluate(lm, tokenizer, held_out, args)
+    after = evaluate(policy, tokenizer, held_out, args)  # trained in place (under the trainer's value head)
     report(f"after {args.estimator}", after, time.process_time() - start)
     print(f"Held-out success {before['success']:.2f} -> {after['success']:.2f}", flush=True)
     return {"before": before, "after": after, "train_cpu_seconds": training}

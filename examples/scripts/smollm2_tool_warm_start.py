@@ -165,7 +165,7 @@ def is_done(folder: str) -> bool:
 
 
 def warm_start(model, tokenizer, output_dir: str, steps: int, batch_size: int = 8, learning_rate: float = 2e-4,
-               seed: int = 0, chain_rate: float = 0.0, shapes=CHAIN_SHAPES) -> str:
+               seed: int = 0, chain_rate: float = 1.0, shapes=CHAIN_SHAPES) -> str:
     """Fine-tune `model` for `steps` steps on one-operation transcripts with transformers' `Trainer`, and save it
     with `tokenizer` (its own chat template) to `output_dir`; a folder already done is returned as it is."""
     if is_done(output_dir):
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--learning_rate", type=float, default=2e-4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chain_rate", type=float, default=0.0, help="fraction of two-call transcripts")
+    parser.add_argument("--chain_rate", type=float, default=1.0, help="fraction of two-call transcripts")
     parser.add_argument("--other_shapes", action="store_true", help="two-call transcripts never of the task's shape")
     parser.add_argument("--evaluate", type=int, default=0, help="held-out problems to play greedily before and after")
     parser.add_argument("--temperature", type=float, default=None, help="also evaluate sampled at this temperature")
