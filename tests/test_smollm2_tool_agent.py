@@ -64,7 +64,7 @@ def small_run(tiny_chatml, tmp_path, *extra):
             "--max_turns", "2", *extra]
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+@pytest.mark.parametrize("estimator", ["gae", pytest.param("grpo", marks=pytest.mark.slow)])
 def test_the_demo_warm_starts_trains_and_evaluates(estimator, tiny_chatml, tmp_path, capsys):
     result = agent.main(small_run(tiny_chatml, tmp_path, "--estimator", estimator, "--output_dir",
                                   str(tmp_path / "run")))
@@ -75,6 +75,7 @@ def test_the_demo_warm_starts_trains_and_evaluates(estimator, tiny_chatml, tmp_p
         assert 0.0 <= result[when]["success"] <= 1.0 and "calls_per_episode" in result[when]
 
 
+@pytest.mark.slow
 def test_a_benchmark_cell_appends_one_row_and_is_skipped_when_run_again(tiny_chatml, tmp_path, capsys):
     out = tmp_path / "rows.jsonl"
     argv = small_run(tiny_chatml, tmp_path, "--estimator", "rloo", "--out", str(out), "--work_dir",

@@ -15,7 +15,6 @@ part-way resumes from its last checkpoint (`--save_steps`) when run again.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), os.path.dirname(HERE)]
 import smollm2_tool_agent as agent  # noqa: E402  (the trainer, reward and evaluation of the demo)
-from rows import append_row  # noqa: E402
+from rows import append_row, has_row  # noqa: E402
 
 task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
@@ -44,10 +43,6 @@ def parse_args(argv=None):
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
                                    f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}")
     return args
-
-
-def row_key(row: dict) -> tuple:
-    return tuple(json.dumps(row.get(name)) for name in KEY_FIELDS)
 
 
 def summary(result: dict) -> dict:
@@ -115,6 +110,7 @@ def run(args, tokenizer) -> dict:
 
     held_out = task.split_problems()[0][: args.held_out]
     before = summary(agent.warm_start_evaluation(args, tokenizer, held_out))
+    resumed = last_checkpoint(args.output_dir)  # then the CPU seconds are this process's only
     cpu = time.process_time()
     model, curve = (train_trl_grpo if args.estimator == "trl_grpo" else train_trl_ppo)(args, tokenizer)
     train_cpu = time.process_time() - cpu
@@ -125,6 +121,7 @@ def run(args, tokenizer) -> dict:
         "ppo_epochs": args.ppo_epochs, "lr_scheduler_type": args.lr_scheduler_type,
         "warm_start_settings": args.warm_start_settings, "held_out": len(held_out),
         "before": before, "after": after, "training_success": curve, "train_cpu_seconds": round(train_cpu, 1),
+        "resumed": resumed,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }
 
@@ -137,11 +134,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     args.warm_start_settings = task.cached_warm_start(args.model, tokenizer, args.warm_start)
-    done = set()
-    if os.path.exists(args.out):
-        with open(args.out) as lines:
-            done = {row_key(json.loads(line)) for line in lines if line.strip()}
-    if row_key(vars(args)) in done:
+    if has_row(args.out, vars(args), KEY_FIELDS):
         print(f"skipped: {args.out} has a row for {args.estimator} seed {args.seed}")
         return
     row = run(args, tokenizer)

@@ -23,7 +23,7 @@ BENCH = os.path.dirname(HERE)  # tasks/policy here; agent_task, guess_game in ag
 sys.path[:0] = [HERE, BENCH, os.path.join(BENCH, "agents"), os.path.join(BENCH, "learning")]  # rows.py in BENCH
 import policy  # noqa: E402
 import tasks  # noqa: E402
-from rows import append_row  # noqa: E402
+from rows import append_row, has_row  # noqa: E402
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_baseline")
 LEVEL = 0.8  # the success level whose episodes-to-reach a row records
@@ -74,18 +74,6 @@ def parse_field(text: str) -> tuple[str, object]:
         return name, json.loads(value)
     except json.JSONDecodeError:
         return name, value
-
-
-def row_key(row: dict) -> tuple:
-    return tuple(json.dumps(row.get(name), sort_keys=True) for name in KEY_FIELDS)
-
-
-def done_keys(path: str) -> set[tuple]:
-    """The keys of the rows already in `path` (none when it does not exist)."""
-    if not os.path.exists(path):
-        return set()
-    with open(path) as lines:
-        return {row_key(json.loads(line)) for line in lines if line.strip()}
 
 
 def budget(task: str) -> int:
@@ -184,9 +172,8 @@ def run(args, train=train_ppo) -> dict:
 
 def cell(args, train=train_ppo) -> None:
     """Run the cell `args` names and append its row to `args.out`, unless a row for it is already there."""
-    key = row_key(vars(args))
-    if key in done_keys(args.out):
-        print(f"skipped: a row for {dict(zip(KEY_FIELDS, key))} is already in {args.out}")
+    if has_row(args.out, vars(args), KEY_FIELDS):
+        print(f"skipped: a row for {({name: vars(args)[name] for name in KEY_FIELDS})} is already in {args.out}")
         return
     row = run(args, train)
     append_row(args.out, row)

@@ -128,11 +128,11 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
     parser.add_argument("--warm_start", default=task.DEFAULT_OUTPUT, help="cached warm start (made when missing)")
     parser.add_argument("--output_dir", default=os.path.join(task.ROOT, "runs", "smollm2_tool_agent"))
     parser.add_argument("--estimator", choices=estimators, default="gae")
-    parser.add_argument("--updates", type=int, default=24, help="training updates (0: evaluate only)")
+    parser.add_argument("--updates", type=int, default=12, help="training updates (0: evaluate only)")
     parser.add_argument("--batch_size", type=int, default=8, help="episodes per update")
     parser.add_argument("--num_generations", type=int, default=4, help="group size of the critic-free estimators")
     parser.add_argument("--ppo_epochs", type=int, default=1)
-    parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--learning_rate", type=float, default=3e-5)
     parser.add_argument("--lr_scheduler_type", choices=("constant", "linear"), default="constant")
     parser.add_argument("--kl_coef", type=float, default=0.05)
     parser.add_argument("--response_length", type=int, default=160,

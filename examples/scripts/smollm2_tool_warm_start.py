@@ -1,22 +1,24 @@
-"""A warm start that teaches SmolLM2-135M-Instruct the tool-call format, not the answers (issue 43, part 2; a
-skeleton: not yet measured against the issue's bar of >= 0.5 episodes calling the tool and <= 0.4 held-out success).
+"""A warm start that teaches SmolLM2-135M-Instruct the tool-call format, not the answers (issue 43, part 2).
 
 The task (part 3): "What is (a * b) + c?" with numbers a 135M model cannot work out in its head, and two tools that
-each do one operation (`multiply`, `add`), so it needs the tool twice. The warm start's transcripts are one-operation
-problems ("What is a * b?", "What is x + y?"): one call, the tool's answer, then "The answer is N." copied from it.
-They teach the markup of a call and reading a tool answer, but never chaining two calls, which RL has to find.
+each do one operation (`multiply`, `add`), so it needs the tool twice. The warm start's transcripts are two-call
+demonstrations "(a op b) op c" of the four pairs of operations, on training problems only (never a held-out one):
+call, read the answer, call again on it, then "The answer is N." copied from the second answer. A quarter of them
+have the task's shape; 10 steps of 8 are too few for the model to learn which operator goes where, so it starts
+from zero held-out success and RL has the whole way to go.
 
 The transcripts are rendered with the ChatML tool template shipped with trl_ppo (`tool_chat_template="chatml"`,
-what the trainer then uses) and trained on the model's own turns only (`agent_task.sft_example`: each turn encoded
-after its header, as the model writes it in an episode) with transformers' `Trainer`. The result is cached in
-`.cache/smollm2-tool-warm-start` (a second run returns it). Measured once (seed 0, one thread of a shared 2-core
-machine, 2026-11-27): the defaults, 10 steps of 8 transcripts at lr 2e-4, took 332 CPU-seconds (478 s wall); greedy on
-the first 20 held-out problems the model went from calling no tool and solving none to calling `multiply` in 20 of 20
-and still solving none (it answers with the product, never calling `add`): the format, not the answers. One seed, 20
-problems: the issue's bar (>= 0.5 calling, <= 0.4 solved on 100 held-out) is still to be measured in full.
+what the trainer then uses) and trained on the model's own turns only (`agent_task.sft_example`) with transformers'
+`Trainer`. The result is cached in `.cache/smollm2-tool-warm-start` (a second run returns it).
+
+Measured (seed 0, greedy on the 100 held-out problems, one thread of a shared 2-core machine, 2026-11-27; RESULTS,
+"A real chat model learns a tool"): the default, 10 steps at lr 2e-4, took 422 CPU-seconds; the model calls a tool
+in 100 of 100 episodes, twice each, and solves none (it multiplies twice). Sampled at temperature 1 it writes the
+task's shape sometimes, which is RL's signal. Warm starts that showed fewer chains solved none even when sampled:
+one-call transcripts only (0 of 100 sampled), or half two-call ones (0 of 25).
 
     python examples/scripts/get_smollm2.py .cache/smollm2-135m-instruct
-    python examples/scripts/smollm2_tool_warm_start.py --model .cache/smollm2-135m-instruct
+    python examples/scripts/smollm2_tool_warm_start.py --model .cache/smollm2-135m-instruct --evaluate 100
 """
 
 from __future__ import annotations
