@@ -194,7 +194,7 @@ def test_episode_prompts_are_rendered_with_the_swapped_in_template():
 
 @pytest.mark.skipif(not os.environ.get("TRL_PPO_QWEN_CODER"), reason="set TRL_PPO_QWEN_CODER to the converted folder")
 def test_the_real_qwen2_5_coder_tokenizer_needs_no_parser_set():
-    """Qwen2.5-Coder-0.5B-Instruct (`make demo-agent` fetches it; TRL_PPO_QWEN_CODER: its converted folder) ships
+    """Qwen2.5-Coder-0.5B-Instruct (`make demo-agent-qwen` fetches it; TRL_PPO_QWEN_CODER: its converted folder) ships
     Qwen2.5's template and no `response_template`: its Hermes `<tool_call>` is parsed, run and answered."""
     from transformers import AutoTokenizer
 

@@ -28,7 +28,7 @@ from rows import append_row, has_row  # noqa: E402
 task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
-              "lr_scheduler_type", "kl_coef", "warm_start_settings")
+              "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "warm_start_settings")
 SUMMARY = ("success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode")
 
 
@@ -41,7 +41,8 @@ def parse_args(argv=None):
     if args.estimator == "gae":
         args.num_generations = 1
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
-                                   f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}")
+                                   f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}"
+                                   f"-eos{args.missing_eos_penalty}")
     return args
 
 
@@ -119,6 +120,7 @@ def run(args, tokenizer) -> dict:
         "estimator": args.estimator, "seed": args.seed, "learning_rate": args.learning_rate, "updates": args.updates,
         "batch_size": args.batch_size, "num_generations": args.num_generations, "kl_coef": args.kl_coef,
         "ppo_epochs": args.ppo_epochs, "lr_scheduler_type": args.lr_scheduler_type,
+        "missing_eos_penalty": args.missing_eos_penalty,
         "warm_start_settings": args.warm_start_settings, "held_out": len(held_out),
         "before": before, "after": after, "training_success": curve, "train_cpu_seconds": round(train_cpu, 1),
         "resumed": resumed,
