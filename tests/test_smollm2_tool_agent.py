@@ -87,3 +87,22 @@ def test_a_benchmark_cell_appends_one_row_and_is_skipped_when_run_again(tiny_cha
     assert any(name.startswith("evaluation_2_") for name in os.listdir(tmp_path / "warm"))  # cached
     bench.main(argv)
     assert "skipped" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
+
+
+def test_the_trl_cross_check_is_refused_a_penalty_trl_does_not_have_and_records_no_kl(tiny_chatml, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo", "--missing_eos_penalty", "1.0"])
+    assert "TRL's GRPOTrainer has no such penalty" in capsys.readouterr().err
+    args = bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo"])
+    assert args.kl_coef == 0.0 and args.num_generations == 4
+
+
+@pytest.mark.slow
+def test_the_trl_cross_check_trains_from_the_same_warm_start_and_writes_a_row(tiny_chatml, tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "rows.jsonl"
+    bench.main(small_run(tiny_chatml, tmp_path, "--estimator", "trl_grpo", "--out", str(out), "--work_dir",
+                         str(tmp_path / "work")))
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["estimator"] == "trl_grpo" and row["kl_coef"] == 0.0 and row["missing_eos_penalty"] is None
+    assert len(row["training_success"]) == 1 and 0.0 <= row["after"]["success"] <= 1.0  # 4 episodes: one update

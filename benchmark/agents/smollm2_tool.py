@@ -5,12 +5,14 @@ problems; a JSON row appended to `--out`.
     OMP_NUM_THREADS=1 python benchmark/agents/smollm2_tool.py --estimator gae --seed 0
     OMP_NUM_THREADS=1 python benchmark/agents/smollm2_tool.py --estimator trl_grpo --seed 0
 
-'gae' is PPO with turn-level GAE (lam 1.0) and a value head (zero-initialised); 'grpo', 'rloo' and 'reinforce_baseline' are trl_ppo's
-critic-free estimators with groups of `--num_generations`; 'trl_grpo' is TRL 1.12's GRPOTrainer with the same tools,
-template, reward, group size, rate and episode budget (TRL's own defaults for its loss; no KL term). Every method sees
-`--updates x --batch_size` episodes, one optimizer step per update. The warm start's evaluation is the same for every
-cell (greedy, cached in `--work_dir`); a row already in `--out` for the same cell is skipped, and a cell stopped
-part-way resumes from its last checkpoint (`--save_steps`) when run again.
+'gae' is PPO with turn-level GAE (lam 1.0) and a value head (zero-initialised); 'grpo', 'rloo' and
+'reinforce_baseline' are trl_ppo's critic-free estimators with groups of `--num_generations`; 'trl_grpo' is TRL
+1.12's GRPOTrainer with the same tools, template, reward, group size, rate and episode budget, and TRL's own defaults
+for its loss (no KL term: its `beta` 0, recorded as `kl_coef` 0; no missing-EOS penalty). Every method sees
+`--updates x --batch_size` episodes, one optimizer step per update (`--ppo_epochs` more reuse each batch). The warm
+start's evaluation is the same for every cell (greedy, cached in the warm start's folder); a row already in `--out`
+for the same cell is skipped, and a cell stopped part-way resumes from its last checkpoint (`--save_steps`) when run
+again (the row then says `resumed` and counts the CPU seconds of the last process only).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def parse_args(argv=None):
     args = agent.parse_args(argv, parser)
     if args.estimator == "gae":
         args.num_generations = 1
+    if args.estimator == "trl_grpo":
+        if args.missing_eos_penalty is not None:
+            parser.error("--missing_eos_penalty: TRL's GRPOTrainer has no such penalty")
+        args.kl_coef = 0.0  # TRL's default `beta`: no KL term
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
                                    f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}"
                                    f"-eos{args.missing_eos_penalty}")
@@ -94,8 +100,8 @@ def train_trl_grpo(args, tokenizer):
         learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
         max_steps=args.updates * args.ppo_epochs, num_iterations=args.ppo_epochs, num_generations=args.num_generations,
         temperature=1.0, max_completion_length=args.response_length, max_tool_calling_iterations=args.max_turns - 1,
-        seed=args.seed, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        save_total_limit=1, report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True,
+        beta=args.kl_coef, seed=args.seed, save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500, save_total_limit=1, report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True,
     )
     outcomes: list[float] = []
     trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[trl_reward(outcomes)],

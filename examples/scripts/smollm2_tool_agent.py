@@ -53,9 +53,9 @@ def config(args):
     return PPOConfig(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
         total_episodes=args.batch_size * args.updates, num_ppo_epochs=args.ppo_epochs, num_mini_batches=1,
-        learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type, temperature=1.0, response_length=args.response_length,
-        max_turns=args.max_turns, max_tool_response_length=8, stop_token="eos",
-        missing_eos_penalty=args.missing_eos_penalty,
+        learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type, temperature=1.0,
+        response_length=args.response_length, max_turns=args.max_turns, max_tool_response_length=8,
+        stop_token="eos", missing_eos_penalty=args.missing_eos_penalty,
         tool_chat_template="chatml", advantage_estimator=args.estimator,
         gae_level="turn", lam=1.0,  # the final answer's reward reaches the first call undecayed (RESULTS, credit)
         num_generations=1 if critic else args.num_generations, kl_coef=args.kl_coef,
