@@ -42,7 +42,7 @@ def test_a_transcript_calls_one_tool_and_copies_its_answer():
 def test_examples_render_with_the_shipped_template_and_train_on_the_models_turns_only():
     tokenizer = chatml_tokenizer()
     own = tokenizer.chat_template
-    ids, labels = warm.warm_start_examples(tokenizer, 1, seed=3)[0]
+    ids, labels = warm.warm_start_examples(tokenizer, 1, seed=3, chain_rate=0.0)[0]
     assert tokenizer.chat_template == own  # a copy renders
     text = tokenizer.decode(ids)
     assert "# Tools" in text and '"name": "multiply"' in text and "<tool_response>" in text

@@ -137,7 +137,7 @@ def rendering_tokenizer(tokenizer):
     return rendering
 
 
-def warm_start_examples(tokenizer, count: int, seed: int = 0, chain_rate: float = 0.0, shapes=CHAIN_SHAPES):
+def warm_start_examples(tokenizer, count: int, seed: int = 0, chain_rate: float = 1.0, shapes=CHAIN_SHAPES):
     """`count` (ids, labels) pairs of transcripts, labels on the model's turns only: a fraction `chain_rate` of
     two-call ones of `shapes` (`two_operation_conversation`), the rest one-call ones."""
     rng, rendering = random.Random(seed), rendering_tokenizer(tokenizer)
