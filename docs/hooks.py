@@ -11,7 +11,8 @@ from mkdocs.structure.files import File
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS_MARK = "<!-- options -->"
 RESULTS = (
-    "RESULTS.md", "speed/results.png", "learning/real_model.png", "learning/learning.png", "credit/curves.png"
+    "RESULTS.md", "speed/results.png", "learning/real_model.png", "learning/learning.png", "credit/curves.png",
+    "agents/smollm2_tool.png"
 )
 
 

@@ -12,10 +12,13 @@ import statistics
 
 
 def cells(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows grouped by (estimator, learning rate, updates, batch size), seeds in order."""
+    """Rows grouped by (estimator, learning rate, updates, batch size, missing-EOS penalty), seeds in order: rows
+    of other settings are never pooled."""
     groups: dict[tuple, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["seed"]):
-        groups.setdefault((row["estimator"], row["learning_rate"], row["updates"], row["batch_size"]), []).append(row)
+        key = (row["estimator"], row["learning_rate"], row["updates"], row["batch_size"],
+               row.get("missing_eos_penalty"))
+        groups.setdefault(key, []).append(row)
     return groups
 
 
@@ -24,14 +27,16 @@ def mean(values) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| method | lr | updates x episodes | seeds | held-out success: warm start -> after (each seed) | "
-             "mean gain | calls / episode after | tool errors / episode after | training CPU-s (mean) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for (estimator, lr, updates, batch), group in sorted(cells(rows).items()):
+    lines = ["| method | lr | updates x episodes | EOS penalty | seeds | "
+             "held-out success: warm start -> after (each seed) | mean gain | calls / episode after | "
+             "tool errors / episode after | training CPU-s (mean) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for (estimator, lr, updates, batch, penalty), group in sorted(cells(rows).items(), key=str):
         gains = [r["after"]["success"] - r["before"]["success"] for r in group]
         seeds = ", ".join(f"{r['before']['success']:.2f} -> {r['after']['success']:.2f}" for r in group)
         lines.append(
-            f"| {estimator} | {lr:g} | {updates} x {batch} | {len(group)} | {seeds} | {mean(gains):+.2f} | "
+            f"| {estimator} | {lr:g} | {updates} x {batch} | {penalty or 'none'} | {len(group)} | {seeds} | "
+            f"{mean(gains):+.2f} | "
             f"{mean([r['after']['calls_per_episode'] for r in group]):.2f} | "
             f"{mean([r['after']['tool_errors_per_episode'] for r in group]):.2f} | "
             f"{mean([r['train_cpu_seconds'] for r in group]):.0f} |")
@@ -47,9 +52,9 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (curves, held_out) = plt.subplots(1, 2, figsize=(11, 3.8))
-    groups = sorted(cells(rows).items())
-    for index, ((estimator, lr, updates, batch), group) in enumerate(groups):
-        name = f"{estimator} lr {lr:g} ({len(group)})"
+    groups = sorted(cells(rows).items(), key=str)
+    for index, ((estimator, lr, updates, batch, penalty), group) in enumerate(groups):
+        name = f"{estimator} lr {lr:g}{' EOS penalty' if penalty else ''} ({len(group)})"
         steps = min(len(r["training_success"]) for r in group)
         curve = [mean([r["training_success"][i] for r in group]) for i in range(steps)]
         curves.plot([(i + 1) * batch for i in range(steps)], curve, label=name)
@@ -59,7 +64,8 @@ def plot(rows: list[dict], path: str) -> None:
     curves.set_xlabel("training episodes")
     curves.set_ylabel("training success (sampled)")
     curves.legend(fontsize=8)
-    held_out.set_xticks(range(len(groups)), [f"{e}\n{lr:g}" for (e, lr, *_), _ in groups], fontsize=8)
+    labels = [f"{key[0]}\n{key[1]:g}{' EOS pen.' if key[4] else ''}" for key, _ in groups]
+    held_out.set_xticks(range(len(groups)), labels, fontsize=8)
     held_out.set_ylabel("held-out success (greedy)\nwarm start -> after")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
