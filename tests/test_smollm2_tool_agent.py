@@ -106,3 +106,17 @@ def test_the_trl_cross_check_trains_from_the_same_warm_start_and_writes_a_row(ti
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["estimator"] == "trl_grpo" and row["kl_coef"] == 0.0 and row["missing_eos_penalty"] is None
     assert len(row["training_success"]) == 1 and 0.0 <= row["after"]["success"] <= 1.0  # 4 episodes: one update
+
+
+def test_the_report_keeps_rows_of_other_settings_apart(tmp_path):
+    report = load_example_script("smollm2_tool_report", os.path.join("benchmark", "agents"))
+    summary = {"success": 0.0, "tool_call_rate": 1.0, "calls_per_episode": 2.0, "tool_errors_per_episode": 0.0}
+    rows = [{"estimator": "gae", "seed": seed, "learning_rate": 3e-5, "updates": 16, "batch_size": 8,
+             "missing_eos_penalty": penalty, "before": summary, "after": dict(summary, success=after),
+             "training_success": [0.1, 0.5], "train_cpu_seconds": 100.0}
+            for seed, penalty, after in [(0, 1.0, 0.5), (1, None, 1.0), (2, None, 0.75)]]
+    lines = report.table(rows).splitlines()[2:]
+    assert len(lines) == 2  # the penalised seed is its own line
+    assert "| none | 2 | 0.00 -> 1.00, 0.00 -> 0.75 | +0.88 |" in "\n".join(lines)
+    report.plot(rows, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 1000
