@@ -39,5 +39,6 @@ def has_row(path: str, row: dict, fields) -> bool:
     there is skipped, so a stopped sweep can be run again."""
     if not os.path.exists(path):
         return False
+    key = row_key(row, fields)
     with open(path, encoding="utf-8") as lines:
-        return any(row_key(json.loads(line), fields) == row_key(row, fields) for line in lines if line.strip())
+        return any(row_key(json.loads(line), fields) == key for line in lines if line.strip())

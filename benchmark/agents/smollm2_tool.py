@@ -76,8 +76,7 @@ def trl_reward(outcomes: list[float]):
         """TRL passes conversational completions (messages): the final assistant turn's last number."""
         from agent_task import final_answer
 
-        scores = [float(agent.final_number("</tool_call>" + final_answer(c)) == int(a))
-                  for c, a in zip(completions, answer)]
+        scores = [float(agent.last_integer(final_answer(c)) == int(a)) for c, a in zip(completions, answer)]
         outcomes.extend(scores)
         return scores
 

@@ -30,19 +30,20 @@ ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_baseline")
 
 
 # ---------------------------------------------------------------------------------------------- the reward
-def final_number(completion: str) -> int | None:
-    """The last integer of the model's final turn (after its last tool call), or None."""
-    numbers = re.findall(r"-?\d+", completion.rsplit("</tool_call>", 1)[-1].replace(",", ""))
+def last_integer(text: str) -> int | None:
+    """The last integer of `text` (thousands separators dropped), or None."""
+    numbers = re.findall(r"-?\d+", text.replace(",", ""))
     return int(numbers[-1]) if numbers else None
+
+
+def is_correct(completion: str, answer: int) -> bool:
+    """The last integer of the model's final turn (after its last tool call) is the answer."""
+    return last_integer(completion.rsplit("</tool_call>", 1)[-1]) == int(answer)
 
 
 def answer_reward(prompts, completions, answer, **columns) -> list[float]:
     """1.0 when the final turn's last number is the answer, else 0.0 (`completions`: the model's own tokens)."""
-    return [float(final_number(c) == int(a)) for c, a in zip(completions, answer)]
-
-
-def is_correct(completion: str, answer: int) -> bool:
-    return final_number(completion) == int(answer)
+    return [float(is_correct(c, a)) for c, a in zip(completions, answer)]
 
 
 # ----------------------------------------------------------------------------------------------- the trainer
