@@ -10,6 +10,7 @@ OUT=${1:-$HERE/smollm2_tool.jsonl}
 cell() { OMP_NUM_THREADS=1 "${PYTHON:-python}" "$HERE/smollm2_tool.py" --learning_rate 3e-5 --updates 16 \
            --save_steps 4 --out "$OUT" --estimator "$@"; }
 queue() { for args in "$@"; do cell $args; done; }
-queue "gae --seed 0" "gae --seed 1" "gae --seed 2" "rloo --seed 0" "rloo --seed 1" "rloo --seed 2" &
-queue "grpo --seed 0" "grpo --seed 1" "grpo --seed 2" "trl_grpo --seed 0" "trl_grpo --seed 1" "trl_grpo --seed 2" &
+# Seed-major order: a session that stops early leaves every method with its lower seeds done.
+queue "gae --seed 0" "rloo --seed 0" "grpo --seed 1" "trl_grpo --seed 1" "gae --seed 1" "rloo --seed 2" "gae --seed 2" &
+queue "grpo --seed 0" "trl_grpo --seed 0" "rloo --seed 1" "grpo --seed 2" "trl_grpo --seed 2" &
 wait
