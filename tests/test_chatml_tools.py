@@ -239,3 +239,21 @@ def test_a_trainer_with_a_chatml_tokenizer_and_the_option_plays_and_learns_from_
     assert "training-safe copy" not in caplog.text  # nothing swapped: the named template is used as it is
     train_and_check_one_call_per_episode(trainer)
     assert tokenizer.chat_template == own and getattr(tokenizer, "response_template", None) is None
+
+
+def test_a_chatml_tokenizer_with_no_chat_template_at_all_is_given_tools_by_the_option(make_config, monkeypatch):
+    """A ChatML tokenizer with no chat template (a base model's): its chat prompts are rendered with the shipped
+    template, as its episodes are, instead of being refused for the missing template."""
+    tokenizer = build_byte_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>",
+                                     pad_token="<|endoftext|>")
+    assert tokenizer.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        scripted_tool_trainer(make_config, tokenizer, [multiply])
+    script_tool_turns(monkeypatch, tokenizer, "It is 42.<|im_end|>")
+    trainer = scripted_tool_trainer(make_config, tokenizer, [multiply], tool_chat_template="chatml")
+    shipped = ToolChat(tokenizer, TOOLS, tokenizer.eos_token_id, shipped="chatml").chat_template
+    user = [{"role": "user", "content": "6 * 7?"}]
+    assert tokenizer.decode(trainer.train_dataset[0]["input_ids"]) == render(
+        tokenizer, shipped, user, tools=None, add_generation_prompt=True)
+    train_and_check_one_call_per_episode(trainer)
+    assert tokenizer.chat_template is None

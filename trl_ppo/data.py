@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 from transformers.utils import logging
 
 from . import prompt_checks
+from .agents.templates import shipped_template_text
 
 logger = logging.get_logger(__name__)
 
@@ -18,12 +19,14 @@ def is_conversational(example: Any) -> bool:
     return isinstance(example, list) and len(example) > 0 and isinstance(example[0], dict) and "role" in example[0]
 
 
-def prepare_prompt_dataset(dataset, tokenizer, num_proc: int | None = None, name: str = "train_dataset"):
+def prepare_prompt_dataset(
+    dataset, tokenizer, num_proc: int | None = None, name: str = "train_dataset", chat_template: str | None = None
+):
     """Give every row `input_ids`: kept when present, else tokenized from `prompt`.
 
-    A text `prompt` is tokenized as is; a conversational `prompt` (list of messages) is rendered with the
-    tokenizer's chat template and a generation prompt (`render_messages`). The other columns are kept (reward
-    functions get them).
+    A text `prompt` is tokenized as is; a conversational `prompt` (list of messages) is rendered with
+    `chat_template` (default: the tokenizer's) and a generation prompt (`render_messages`). The other columns are
+    kept (reward functions get them).
     """
     if dataset is None or "input_ids" in dataset.column_names:
         return dataset
@@ -36,7 +39,7 @@ def prepare_prompt_dataset(dataset, tokenizer, num_proc: int | None = None, name
     def tokenize(row, index):
         prompt = row["prompt"]
         if isinstance(prompt, list):
-            text = render_messages(prompt, tokenizer, name, index)
+            text = render_messages(prompt, tokenizer, name, index, chat_template)
             return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
         if not isinstance(prompt, str):
             raise ValueError(
@@ -48,17 +51,21 @@ def prepare_prompt_dataset(dataset, tokenizer, num_proc: int | None = None, name
     return dataset.map(tokenize, with_indices=True, num_proc=num_proc, desc="Tokenizing prompts")
 
 
-def render_messages(messages: list, tokenizer, name: str, index: int) -> str:
-    """Row `index`'s chat messages as text, through the tokenizer's chat template with a generation prompt (what
-    `apply_chat_template(..., tokenize=True)` encodes), checked: roles the template knows, no message dropped."""
-    if tokenizer.chat_template is None:
+def render_messages(messages: list, tokenizer, name: str, index: int, chat_template: str | None = None) -> str:
+    """Row `index`'s chat messages as text, through `chat_template` (default: the tokenizer's) with a generation
+    prompt (what `apply_chat_template(..., tokenize=True)` encodes), checked: roles the template knows, no message
+    dropped."""
+    template = chat_template or tokenizer.chat_template
+    if template is None:
         raise ValueError(
             "The `prompt` column holds chat messages but the tokenizer has no chat template: set "
-            "`tokenizer.chat_template` or pass plain-text prompts."
+            "`tokenizer.chat_template` (or, for a ChatML model given tools, `tool_chat_template='chatml'`) or pass "
+            "plain-text prompts."
         )
-    prompt_checks.check_messages(messages, tokenizer, name, index)
+    prompt_checks.check_messages(messages, template, name, index)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             chat_template=chat_template)  # None: the tokenizer's, by its rules
     except Exception as error:  # jinja's TemplateError, or a template's own `raise_exception(...)`
         raise ValueError(f"Row {index} of `{name}`: the chat template refused its messages: {error}") from error
     prompt_checks.check_rendered(messages, text, name, index)
@@ -189,7 +196,9 @@ def prepare_prompts(dataset, tokenizer, args, context_length: int | None, name: 
     """A dataset of prompts as the trainer uses it: `input_ids` on every row (`prepare_prompt_dataset`; padding
     that an `attention_mask` column marks removed), checked row by row (`prompt_checks`: no empty prompt, no
     padding left in given `input_ids`, ids below `vocab_size`, default: the tokenizer's length), cut to
-    `max_prompt_length` and checked against the model's context (`fit_prompts`). None stays None."""
+    `max_prompt_length` and checked against the model's context (`fit_prompts`). None stays None. Chat prompts are
+    rendered with the template shipped under `args.tool_chat_template` when one is named, as every episode's prompt
+    is then (so a ChatML tokenizer with no template of its own can be given tools)."""
     prompt_checks.check_dataset_type(dataset, name)
     if dataset is None:
         return None
@@ -197,7 +206,9 @@ def prepare_prompts(dataset, tokenizer, args, context_length: int | None, name: 
     if given_ids:
         prompt_checks.check_input_ids_type(dataset, name)
         dataset = prompt_checks.strip_masked_padding(dataset, name)
-    dataset = prepare_prompt_dataset(dataset, tokenizer, args.dataset_num_proc, name)
+    shipped = getattr(args, "tool_chat_template", None)
+    chat_template = shipped_template_text(shipped) if shipped is not None else None
+    dataset = prepare_prompt_dataset(dataset, tokenizer, args.dataset_num_proc, name, chat_template)
     if len(dataset) == 0:
         raise ValueError(f"`{name}` is empty: PPO needs prompts to sample from.")
     unmasked = given_ids and "attention_mask" not in dataset.column_names

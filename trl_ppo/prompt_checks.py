@@ -147,12 +147,12 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def check_messages(messages, tokenizer, name: str, index: int) -> None:
+def check_messages(messages, template: str, name: str, index: int) -> None:
     """A conversational prompt's messages: dicts with a text `role` and a `content`, every role one the chat
-    template knows (a standard role, or one its source names)."""
+    template (its source, `template`) knows: a standard role, or one the source names."""
     if not messages:
         raise ValueError(f"Row {index} of `{name}` is an empty prompt (`prompt` = []): {_EMPTY_FIX}")
-    template = str(tokenizer.chat_template)
+    template = str(template)
     for position, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if not isinstance(role, str) or "content" not in message:

@@ -129,7 +129,12 @@ def shipped_templates(name: str, tokenizer) -> tuple[str, dict]:
     stock_like = copy.copy(tokenizer)  # the registry sets the parser on what it is given: never the user's
     stock_like.response_template, stock_like.chat_template = None, getattr(known, stock)
     parser = known.add_response_schema(stock_like).response_template
-    return resources.files(__package__).joinpath(filename).read_text(encoding="utf-8"), parser
+    return shipped_template_text(name), parser
+
+
+def shipped_template_text(name: str) -> str:
+    """The text of the chat template shipped under `name` (a key of `SHIPPED`)."""
+    return resources.files(__package__).joinpath(SHIPPED[name][0]).read_text(encoding="utf-8")
 
 
 def is_one_token(tokenizer, token: str) -> bool:
