@@ -118,10 +118,20 @@ def warm_start_evaluation(args, tokenizer, held_out) -> dict:
     return result
 
 
-def report(when: str, result: dict, seconds: float) -> None:
+def clock() -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) now: a stage's cost is `took(clock())` at its end."""
+    return time.process_time(), time.perf_counter()
+
+
+def took(start: tuple[float, float]) -> str:
+    cpu, wall = (now - then for now, then in zip(clock(), start))
+    return f"{cpu:.0f} CPU s, {wall / 60:.1f} min"
+
+
+def report(when: str, result: dict, cost: str) -> None:
     print(f"{when}: held-out success {result['success']:.2f}, episodes calling a tool {result['tool_call_rate']:.2f},"
           f" tool calls per episode {result['calls_per_episode']:.2f}, tool errors per episode "
-          f"{result['tool_errors_per_episode']:.2f} ({seconds:.0f} CPU s)", flush=True)
+          f"{result['tool_errors_per_episode']:.2f} ({cost})", flush=True)
     print("  first episode: " + result["sample"].replace("\n", "\n  "), flush=True)
 
 
@@ -175,23 +185,23 @@ def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-    start = time.process_time()
+    start = clock()
     task.cached_warm_start(args.model, tokenizer, args.warm_start)
-    print(f"[warm start: {time.process_time() - start:.0f} CPU s]", flush=True)
+    print(f"[warm start: {took(start)}]", flush=True)
     held_out = task.split_problems()[0][: args.held_out]
-    start = time.process_time()
+    start = clock()
     before = warm_start_evaluation(args, tokenizer, held_out)
-    report("warm start", before, time.process_time() - start)
+    report("warm start", before, took(start))
     if args.updates == 0:
         return {"before": before}
     policy = load_policy(args.warm_start)
-    start = time.process_time()
+    start = clock()
     trainer_for(args, policy, tokenizer).train(resume_from_checkpoint=True if args.resume else None)
-    training = time.process_time() - start
-    print(f"[{args.estimator}: {args.updates} updates of {args.batch_size} episodes, {training:.0f} CPU s]", flush=True)
-    start = time.process_time()
+    training = time.process_time() - start[0]
+    print(f"[{args.estimator}: {args.updates} updates of {args.batch_size} episodes, {took(start)}]", flush=True)
+    start = clock()
     after = evaluate(policy, tokenizer, held_out, args)  # trained in place (under the trainer's value head)
-    report(f"after {args.estimator}", after, time.process_time() - start)
+    report(f"after {args.estimator}", after, took(start))
     print(f"Held-out success {before['success']:.2f} -> {after['success']:.2f}", flush=True)
     return {"before": before, "after": after, "train_cpu_seconds": training}
 
