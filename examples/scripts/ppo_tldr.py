@@ -19,7 +19,8 @@ Without --model_name_or_path the tiny embedded default job runs instead.
 
 import sys
 
-from trl_ppo.cli import main, with_config_file
+from trl_ppo.cli import main
+from trl_ppo.config_file import with_config_file
 from trl_ppo.script_args import as_flags
 
 TLDR_SETTINGS = {
