@@ -75,6 +75,20 @@ def test_the_demo_warm_starts_trains_and_evaluates(estimator, tiny_chatml, tmp_p
         assert 0.0 <= result[when]["success"] <= 1.0 and "calls_per_episode" in result[when]
 
 
+def test_the_floor_is_the_model_without_tools_one_turn_on_its_own_template(tiny_chatml, tmp_path, capsys, monkeypatch):
+    seen = []
+    play = agent.task.agent_task.evaluate_prompts
+    monkeypatch.setattr(agent.task.agent_task, "evaluate_prompts", lambda *a, **k: seen.append(a) or play(*a, **k))
+    result = agent.main(small_run(tiny_chatml, tmp_path, "--floor", "--updates", "0"))
+    assert set(result) == {"floor", "before"} and 0.0 <= result["floor"]["success"] <= 1.0
+    assert "the model without tools (the floor): held-out success" in capsys.readouterr().out
+    model, tokenizer, prompts, answers, tools, max_turns = seen[0][:6]  # the floor's, before the warm start's
+    assert tools is None and max_turns == 1 and len(prompts) == len(answers) == 2
+    text = tokenizer.decode(prompts[0])
+    assert text.startswith("<|im_start|>user\nWhat is (") and "multiply" not in text  # its own template, no tools
+    assert seen[1][4] is not None  # the warm start is then played with the tools
+
+
 @pytest.mark.slow
 def test_a_benchmark_cell_appends_one_row_and_is_skipped_when_run_again(tiny_chatml, tmp_path, capsys):
     out = tmp_path / "rows.jsonl"

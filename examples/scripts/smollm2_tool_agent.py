@@ -89,11 +89,15 @@ def load_policy(folder: str):
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
-def evaluate(model, tokenizer, problems, args) -> dict:
+def evaluate(model, tokenizer, problems, args, tools: bool = True) -> dict:
     """Greedy episodes on `problems`, with training's turns and token budget -> success, tool-call rate, tool calls
-    and tool errors per episode."""
-    result = task.evaluate(model, tokenizer, problems, args.max_turns, args.response_length,
-                           batch_size=args.eval_batch, score=is_correct)
+    and tool errors per episode. `tools=False`: the floor, one turn with the tokenizer's own template, no tools."""
+    if tools:
+        result = task.evaluate(model, tokenizer, problems, args.max_turns, args.response_length,
+                               batch_size=args.eval_batch, score=is_correct)
+    else:
+        result = task.evaluate_without_tools(model, tokenizer, problems, args.response_length, args.eval_batch,
+                                             is_correct)
     episodes = result["episodes"]
     result["calls_per_episode"] = sum(e.count("<tool_call>") for e in episodes) / len(episodes)
     result["tool_errors_per_episode"] = sum(e.count("<tool_response>\nError:") for e in episodes) / len(episodes)
@@ -159,6 +163,8 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N updates (0: none)")
     parser.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --output_dir")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--floor", action="store_true",
+                        help="first evaluate the model of --model without tools (one turn, its own chat template)")
     return parser
 
 
@@ -185,15 +191,21 @@ def main(argv=None) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    held_out, floor = task.split_problems()[0][: args.held_out], {}
+    if args.floor:
+        from transformers import AutoModelForCausalLM
+
+        start = clock()
+        floor = {"floor": evaluate(AutoModelForCausalLM.from_pretrained(args.model), tokenizer, held_out, args, False)}
+        report("the model without tools (the floor)", floor["floor"], took(start))
     start = clock()
     task.cached_warm_start(args.model, tokenizer, args.warm_start)
     print(f"[warm start: {took(start)}]", flush=True)
-    held_out = task.split_problems()[0][: args.held_out]
     start = clock()
     before = warm_start_evaluation(args, tokenizer, held_out)
     report("warm start", before, took(start))
     if args.updates == 0:
-        return {"before": before}
+        return {**floor, "before": before}
     policy = load_policy(args.warm_start)
     start = clock()
     trainer_for(args, policy, tokenizer).train(resume_from_checkpoint=True if args.resume else None)
@@ -203,7 +215,7 @@ def main(argv=None) -> dict:
     after = evaluate(policy, tokenizer, held_out, args)  # trained in place (under the trainer's value head)
     report(f"after {args.estimator}", after, took(start))
     print(f"Held-out success {before['success']:.2f} -> {after['success']:.2f}", flush=True)
-    return {"before": before, "after": after, "train_cpu_seconds": training}
+    return {**floor, "before": before, "after": after, "train_cpu_seconds": training}
 
 
 if __name__ == "__main__":

@@ -161,6 +161,16 @@ def evaluate(model, tokenizer, problems, max_turns: int = 4, budget: int = 160, 
                                        max_turns, budget, temperature, batch_size=batch_size, score=score)
 
 
+def evaluate_without_tools(model, tokenizer, problems, budget: int = 160, batch_size: int = 25, score=None) -> dict:
+    """The floor: one greedy turn per problem, rendered with the tokenizer's own chat template and no tools, `budget`
+    tokens -> as `evaluate`."""
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(prompt_messages(*p), tokenize=False,
+                                                              add_generation_prompt=True), add_special_tokens=False)
+               for p in problems]
+    return agent_task.evaluate_prompts(model, tokenizer, prompts, [answer(*p) for p in problems], None, 1, budget,
+                                       batch_size=batch_size, score=score)
+
+
 # -------------------------------------------------------------------------------------------- the warm start
 def is_done(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, DONE_MARKER))
