@@ -127,10 +127,11 @@ def test_the_report_keeps_rows_of_other_settings_apart(tmp_path):
     summary = {"success": 0.0, "tool_call_rate": 1.0, "calls_per_episode": 2.0, "tool_errors_per_episode": 0.0}
     rows = [{"estimator": "gae", "seed": seed, "learning_rate": 3e-5, "updates": 16, "batch_size": 8,
              "missing_eos_penalty": penalty, "before": summary, "after": dict(summary, success=after),
-             "training_success": [0.1, 0.5], "train_cpu_seconds": 100.0}
-            for seed, penalty, after in [(0, 1.0, 0.5), (1, None, 1.0), (2, None, 0.75)]]
+             "training_success": [0.1, 0.5], "train_cpu_seconds": cpu, "resumed": cpu < 100}
+            for seed, penalty, after, cpu in [(0, 1.0, 0.5, 100.0), (1, None, 1.0, 100.0), (2, None, 0.75, 60.0)]]
     lines = report.table(rows).splitlines()[2:]
     assert len(lines) == 2  # the penalised seed is its own line
     assert "| none | 2 | 0.00 -> 1.00, 0.00 -> 0.75 | +0.88 |" in "\n".join(lines)
+    assert lines[1].endswith("| 100 (1 resumed, left out) |")  # a resumed run's CPU seconds are its last process's
     report.plot(rows, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 1000

@@ -39,8 +39,16 @@ def table(rows: list[dict]) -> str:
             f"{mean(gains):+.2f} | "
             f"{mean([r['after']['calls_per_episode'] for r in group]):.2f} | "
             f"{mean([r['after']['tool_errors_per_episode'] for r in group]):.2f} | "
-            f"{mean([r['train_cpu_seconds'] for r in group]):.0f} |")
+            f"{training_cpu(group)} |")
     return "\n".join(lines)
+
+
+def training_cpu(group: list[dict]) -> str:
+    """The mean training CPU seconds of the runs that ran whole in one process; a resumed run counts its last
+    process only, so it is left out (and counted)."""
+    whole = [r["train_cpu_seconds"] for r in group if not r.get("resumed")]
+    resumed = len(group) - len(whole)
+    return (f"{mean(whole):.0f}" if whole else "-") + (f" ({resumed} resumed, left out)" if resumed else "")
 
 
 def plot(rows: list[dict], path: str) -> None:
