@@ -100,7 +100,8 @@ def train_trl_grpo(args, tokenizer):
         max_steps=args.updates * args.ppo_epochs, num_iterations=args.ppo_epochs, num_generations=args.num_generations,
         temperature=1.0, max_completion_length=args.response_length, max_tool_calling_iterations=args.max_turns - 1,
         beta=args.kl_coef, seed=args.seed, save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500, save_total_limit=1, report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True,
+        save_steps=args.save_steps or 500, save_total_limit=1, report_to="none", logging_steps=1, bf16=False,
+        use_cpu=True, disable_tqdm=True,
     )
     outcomes: list[float] = []
     trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[trl_reward(outcomes)],
