@@ -50,6 +50,7 @@ def test_the_reward_reads_the_last_number_of_the_final_turn():
     (["--batch_size", "0"], "--batch_size must be at least 1"),
     (["--estimator", "grpo", "--batch_size", "6", "--num_generations", "4"], "must be a multiple of"),
     (["--updates", "-1"], "--updates and --save_steps must be at least 0"),
+    (["--max_grad_norm", "-1"], "--max_grad_norm must be at least 0"),
     (["--model", "/nonexistent"], "get_smollm2.py first"),
 ])
 def test_bad_arguments_are_refused_before_any_model_is_loaded(argv, message, capsys, tiny_chatml):
@@ -97,6 +98,7 @@ def test_a_benchmark_cell_appends_one_row_and_is_skipped_when_run_again(tiny_cha
     bench.main(argv)
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["estimator"] == "rloo" and row["updates"] == 1 and len(row["training_success"]) == 1
+    assert row["max_grad_norm"] == 0.0
     assert set(row["before"]) >= {"success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode"}
     assert any(name.startswith("evaluation_2_") for name in os.listdir(tmp_path / "warm"))  # cached
     bench.main(argv)
@@ -111,6 +113,16 @@ def test_the_trl_cross_check_is_refused_a_penalty_trl_does_not_have_and_records_
     assert args.kl_coef == 0.0 and args.num_generations == 4
 
 
+def test_each_trainer_clips_gradients_as_its_own_default_unless_told_and_a_changed_clip_is_its_own_run(tiny_chatml):
+    trl = bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo"])
+    ours = bench.parse_args(["--model", tiny_chatml, "--estimator", "grpo"])
+    assert (trl.max_grad_norm, ours.max_grad_norm) == (1.0, 0.0)  # `Trainer`'s default; trl_ppo's (PPOv2's)
+    assert not ours.output_dir.endswith("clip0") and "clip" not in trl.output_dir
+    clipped = bench.parse_args(["--model", tiny_chatml, "--estimator", "grpo", "--max_grad_norm", "1"])
+    assert clipped.output_dir.endswith("-clip1")  # never resumes the unclipped run's checkpoints
+    assert agent.config(clipped).max_grad_norm == 1.0 and agent.config(ours).max_grad_norm == 0.0
+
+
 @pytest.mark.slow
 def test_the_trl_cross_check_trains_from_the_same_warm_start_and_writes_a_row(tiny_chatml, tmp_path):
     pytest.importorskip("trl")
@@ -119,6 +131,7 @@ def test_the_trl_cross_check_trains_from_the_same_warm_start_and_writes_a_row(ti
                          str(tmp_path / "work")))
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["estimator"] == "trl_grpo" and row["kl_coef"] == 0.0 and row["missing_eos_penalty"] is None
+    assert row["max_grad_norm"] == 1.0  # TRL's (`Trainer`'s) default, passed on
     assert len(row["training_success"]) == 1 and 0.0 <= row["after"]["success"] <= 1.0  # 4 episodes: one update
 
 
@@ -129,9 +142,12 @@ def test_the_report_keeps_rows_of_other_settings_apart(tmp_path):
              "missing_eos_penalty": penalty, "before": summary, "after": dict(summary, success=after),
              "training_success": [0.1, 0.5], "train_cpu_seconds": cpu, "resumed": cpu < 100}
             for seed, penalty, after, cpu in [(0, 1.0, 0.5, 100.0), (1, None, 1.0, 100.0), (2, None, 0.75, 60.0)]]
+    rows.append(dict(rows[1], seed=3, max_grad_norm=1.0))
     lines = report.table(rows).splitlines()[2:]
-    assert len(lines) == 2  # the penalised seed is its own line
-    assert "| none | 2 | 0.00 -> 1.00, 0.00 -> 0.75 | +0.88 |" in "\n".join(lines)
-    assert lines[1].endswith("| 100 (1 resumed, left out) |")  # a resumed run's CPU seconds are its last process's
+    assert len(lines) == 3  # the penalised seed and the clipped one are lines of their own
+    assert "| none | none | 2 | 0.00 -> 1.00, 0.00 -> 0.75 | +0.88 |" in "\n".join(lines)
+    assert "| none | 1.0 | 1 | 0.00 -> 1.00 |" in "\n".join(lines)
+    (pooled,) = [line for line in lines if "| 2 |" in line]
+    assert pooled.endswith("| 100 (1 resumed, left out) |")  # a resumed run's CPU seconds are its last process's
     report.plot(rows, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 1000

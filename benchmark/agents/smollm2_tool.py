@@ -8,7 +8,9 @@ problems; a JSON row appended to `--out`.
 'gae' is PPO with turn-level GAE (lam 1.0) and a value head (zero-initialised); 'grpo', 'rloo' and
 'reinforce_baseline' are trl_ppo's critic-free estimators with groups of `--num_generations`; 'trl_grpo' is TRL
 1.12's GRPOTrainer with the same tools, template, reward, group size, rate and episode budget, and TRL's own defaults
-for its loss (no KL term: its `beta` 0, recorded as `kl_coef` 0; no missing-EOS penalty). Every method sees
+for its loss and optimizer (no KL term: its `beta` 0, recorded as `kl_coef` 0; no missing-EOS penalty; gradients
+clipped to norm 1.0, `Trainer`'s default, where trl_ppo's default is no clipping, as PPOv2's: `--max_grad_norm`
+sets either, and the row records it). Every method sees
 `--updates x --batch_size` episodes, one optimizer step per update (`--ppo_epochs` more reuse each batch). The warm
 start's evaluation is the same for every cell (greedy, cached in the warm start's folder); a row already in `--out`
 for the same cell is skipped, and a cell stopped part-way resumes from its last checkpoint (`--save_steps`) when run
@@ -30,13 +32,16 @@ from rows import append_row, has_row  # noqa: E402
 task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
-              "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "warm_start_settings")
+              "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "max_grad_norm", "warm_start_settings")
+# Each trainer's own default: `Trainer`'s 1.0 for TRL's GRPO, none (0) for trl_ppo's (PPOv2 clips nothing).
+DEFAULT_MAX_GRAD_NORM = {"trl_grpo": 1.0}
 SUMMARY = ("success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode")
 
 
 def parse_args(argv=None):
     parser = agent.build_parser(__doc__, (*agent.ESTIMATORS, "trl_grpo"))
     parser.add_argument("--out", default=OUT, help="JSONL file the row is appended to")
+    parser.set_defaults(max_grad_norm=None)  # then the trainer's own default (DEFAULT_MAX_GRAD_NORM)
     parser.add_argument("--work_dir", default=os.path.join(ROOT, "runs", "smollm2_tool"),
                         help="run folders (checkpoints) and the warm start's cached evaluation")
     args = agent.parse_args(argv, parser)
@@ -46,9 +51,13 @@ def parse_args(argv=None):
         if args.missing_eos_penalty is not None:
             parser.error("--missing_eos_penalty: TRL's GRPOTrainer has no such penalty")
         args.kl_coef = 0.0  # TRL's default `beta`: no KL term
+    default_clip = DEFAULT_MAX_GRAD_NORM.get(args.estimator, 0.0)
+    if args.max_grad_norm is None:
+        args.max_grad_norm = default_clip
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
                                    f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}"
-                                   f"-eos{args.missing_eos_penalty}")
+                                   f"-eos{args.missing_eos_penalty}"
+                                   + (f"-clip{args.max_grad_norm:g}" if args.max_grad_norm != default_clip else ""))
     return args
 
 
@@ -99,7 +108,8 @@ def train_trl_grpo(args, tokenizer):
         learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
         max_steps=args.updates * args.ppo_epochs, num_iterations=args.ppo_epochs, num_generations=args.num_generations,
         temperature=1.0, max_completion_length=args.response_length, max_tool_calling_iterations=args.max_turns - 1,
-        beta=args.kl_coef, seed=args.seed, save_strategy="steps" if args.save_steps else "no",
+        beta=args.kl_coef, max_grad_norm=args.max_grad_norm, seed=args.seed,
+        save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, save_total_limit=1, report_to="none", logging_steps=1, bf16=False,
         use_cpu=True, disable_tqdm=True,
     )
@@ -126,7 +136,7 @@ def run(args, tokenizer) -> dict:
         "estimator": args.estimator, "seed": args.seed, "learning_rate": args.learning_rate, "updates": args.updates,
         "batch_size": args.batch_size, "num_generations": args.num_generations, "kl_coef": args.kl_coef,
         "ppo_epochs": args.ppo_epochs, "lr_scheduler_type": args.lr_scheduler_type,
-        "missing_eos_penalty": args.missing_eos_penalty,
+        "missing_eos_penalty": args.missing_eos_penalty, "max_grad_norm": args.max_grad_norm,
         "warm_start_settings": args.warm_start_settings, "held_out": len(held_out),
         "before": before, "after": after, "training_success": curve, "train_cpu_seconds": round(train_cpu, 1),
         "resumed": resumed,

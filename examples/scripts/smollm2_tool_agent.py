@@ -59,7 +59,7 @@ def config(args):
         stop_token="eos", missing_eos_penalty=args.missing_eos_penalty,
         tool_chat_template="chatml", advantage_estimator=args.estimator,
         gae_level="turn", lam=1.0,  # the final answer's reward reaches the first call undecayed (RESULTS, credit)
-        num_generations=1 if critic else args.num_generations, kl_coef=args.kl_coef,
+        num_generations=1 if critic else args.num_generations, kl_coef=args.kl_coef, max_grad_norm=args.max_grad_norm,
         local_rollout_forward_batch_size=args.batch_size, num_sample_generations=0, seed=args.seed,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=1,
         report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
@@ -152,6 +152,9 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
     parser.add_argument("--learning_rate", type=float, default=3e-5)
     parser.add_argument("--lr_scheduler_type", choices=("constant", "linear"), default="constant")
     parser.add_argument("--kl_coef", type=float, default=0.05)
+    parser.add_argument("--max_grad_norm", type=float, default=0.0,
+                        help="clip the gradient's norm to this before each optimizer step (0: no clipping, "
+                        "trl_ppo's default as PPOv2's)")
     parser.add_argument("--missing_eos_penalty", type=float, default=None,
                         help="subtracted from the score of an episode cut by the token budget (default: none, the "
                         "reward is the final answer's alone)")
@@ -178,6 +181,8 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.updates < 0 or args.save_steps < 0:
         parser.error("--updates and --save_steps must be at least 0")
+    if args.max_grad_norm is not None and args.max_grad_norm < 0:
+        parser.error(f"--max_grad_norm must be at least 0 (0: no clipping), got {args.max_grad_norm}")
     if args.estimator != "gae" and args.batch_size % args.num_generations:
         parser.error(f"--batch_size ({args.batch_size}) must be a multiple of --num_generations "
                      f"({args.num_generations})")
