@@ -31,6 +31,7 @@ PPO_METRICS = (
     "val/ratio",
     "val/ratio_var",
     "val/num_eos_tokens",
+    "grad_norm",
     "lr",
     "episode",
 )

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import build_trainer
 
-from trl_ppo.update import Verdict, backward_scale, judge_minibatch, shuffled_minibatches
+from trl_ppo.models import PreparedModels
+from trl_ppo.update import Verdict, backward_scale, gradient_norm, judge_minibatch, shuffled_minibatches
 
 
 class OneProcess:
@@ -42,6 +43,17 @@ def test_backward_scale_undoes_the_averaging_over_processes_and_deepspeeds_divis
     assert backward_scale(num_processes=4, passes=2, deepspeed=False) == 4
     # DeepSpeed divides by its gradient_accumulation_steps (2 passes) and averages over processes.
     assert backward_scale(num_processes=4, passes=2, deepspeed=True) == 8
+
+
+@pytest.mark.parametrize("max_grad_norm, clipped", [(0.0, [3.0, 4.0]), (1.0, [0.6, 0.8]), (10.0, [3.0, 4.0])])
+def test_gradient_norm_is_the_norm_before_clipping_to_max_grad_norm(max_grad_norm, clipped):
+    from accelerate import Accelerator
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.weight.grad = torch.tensor([[3.0, 4.0]])  # norm 5
+    norm = gradient_norm(PreparedModels(Accelerator(cpu=True), model, None), settings(max_grad_norm=max_grad_norm))
+    assert norm.item() == pytest.approx(5.0)  # 0 clips nothing
+    assert model.weight.grad.flatten().tolist() == pytest.approx(clipped)
 
 
 def test_minibatch_verdicts():

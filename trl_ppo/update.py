@@ -52,6 +52,8 @@ TOKEN_STATS = ("policy/advantages", "policy/ratio")
 VALUE_STATS = ("loss/value_avg", "val/clipfrac_avg")
 # The whole loss of a micro-batch (policy, value, entropy and KL-loss terms), judged and not reported.
 TOTAL_LOSS = "loss/total"
+# The gradient's total norm before clipping, one value per optimizer step (`Trainer`'s and TRL GRPO's name).
+GRAD_NORM = "grad_norm"
 # What a non-finite update was cut short by, in messages.
 NONFINITE_LOSS, NONFINITE_GRADIENT = "PPO loss", "gradient norm"
 
@@ -69,9 +71,11 @@ def ppo_update(
 
     Stats are those of the minibatches whose losses were finite; with `early_stopping` / `ratio_threshold`
     (and no non-finite loss) also `policy/early_stop_frac` (minibatches stepped / planned) and
-    `policy/skipped_minibatches`. `detailed` adds the stats of TRL's first PPOTrainer (`detailed_stats`). The first
-    `critic_warmup_steps` updates train only the value function, and with `num_critic_epochs` > 1 each PPO epoch is
-    followed by value-only epochs (their stats: the value loss's alone, `VALUE_STATS`)."""
+    `policy/skipped_minibatches`; `grad_norm` is the gradient norm before clipping, one per step of the PPO epochs
+    (none under DeepSpeed or fp16's loss scaler, which clip inside). `detailed` adds the stats of TRL's first
+    PPOTrainer (`detailed_stats`). The first `critic_warmup_steps` updates train only the value function, and with
+    `num_critic_epochs` > 1 each PPO epoch is followed by value-only epochs (their stats: the value loss's alone,
+    `VALUE_STATS`)."""
     episodes = rollout.with_advantages(advantages)
     stats, counts, nonfinite = defaultdict(list), {verdict: 0 for verdict in Verdict}, None
     warmup = update <= args.critic_warmup_steps
@@ -85,7 +89,8 @@ def ppo_update(
         if critic_only:  # no gradient, so AdamW leaves the policy's weights and its state alone
             for parameter in models.wrapper.lm.parameters():
                 parameter.grad = None
-        if verdict is Verdict.STEP and not finite_gradient_norm(models, args):
+        norm = gradient_norm(models, args) if verdict is Verdict.STEP else None
+        if norm is not None and not all_finite(norm.reshape(1), models.accelerator):
             verdict, nonfinite = Verdict.NONFINITE, NONFINITE_GRADIENT
         if verdict is Verdict.STEP:
             optimizer.step()
@@ -95,6 +100,8 @@ def ppo_update(
             for key, values in minibatch_stats.items():
                 if not value_epoch or key in VALUE_STATS:  # the policy's stats of a value epoch would count twice
                     stats[key].extend(values)
+            if norm is not None and not value_epoch:
+                stats[GRAD_NORM].append(norm.detach().reshape(()))
         if verdict.ends_update:
             break
     token_stats = {key: stats.pop(key) for key in TOKEN_STATS if key in stats}
@@ -110,19 +117,20 @@ def ppo_update(
     return result
 
 
-def finite_gradient_norm(models: PreparedModels, args) -> bool:
-    """Clip the gradients to `max_grad_norm` (0: no clipping) -> whether their norm before clipping is finite, on
-    every process. True under DeepSpeed (its engine clips and has stepped already) and with fp16's loss scaler,
-    which skips a step with an infinite gradient itself and lowers its scale: that is how it calibrates."""
+def gradient_norm(models: PreparedModels, args) -> torch.Tensor | None:
+    """Clip the gradients to `max_grad_norm` (0: no clipping) -> their total norm before clipping (0-d; the same on
+    every process once gradients are synchronised), or None under DeepSpeed (its engine clips and has stepped
+    already) and with fp16's loss scaler, which skips a step with an infinite gradient itself and lowers its scale:
+    that is how it calibrates."""
     accelerator = models.accelerator
     if models.is_deepspeed or getattr(accelerator, "scaler", None) is not None:
         if args.max_grad_norm:
             accelerator.clip_grad_norm_(models.model.parameters(), args.max_grad_norm)
-        return True
+        return None
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")  # inf: the norm, nothing clipped
     norm = accelerator.clip_grad_norm_(models.model.parameters(), max_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor over the shards
-    return all_finite(torch.as_tensor(norm).reshape(1), accelerator)
+    return torch.as_tensor(norm)
 
 
 def all_finite(values: torch.Tensor, accelerator) -> bool:
