@@ -13,6 +13,7 @@ from typing import Literal
 
 from transformers import TrainingArguments
 
+from .config_agents import AgentConfig
 from .config_deadlines import DeadlineConfig
 from .config_estimators import EstimatorConfig
 from .config_fields import check_fields, check_interval_steps
@@ -184,10 +185,10 @@ class OnPolicyConfig(TrainingArguments):
 
 
 @dataclass
-class PPOConfig(DeadlineConfig, EstimatorConfig, OnPolicyConfig):
+class PPOConfig(AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
     """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report), the
-    advantage estimator with its samples per prompt (`EstimatorConfig`) and the deadlines on calls into user code
-    (`DeadlineConfig`)."""
+    advantage estimator with its samples per prompt (`EstimatorConfig`), the deadlines on calls into user code
+    (`DeadlineConfig`) and the shape of multi-turn episodes (`AgentConfig`)."""
 
     exp_name: str = field(default="ppo_config", metadata={"help": "Name of this experiment."})
     reward_model_path: str = field(
@@ -398,37 +399,5 @@ class PPOConfig(DeadlineConfig, EstimatorConfig, OnPolicyConfig):
             "returns, the text of each model turn, tool answer and token); `trl-ppo trajectories FILE` recomputes "
             "their advantages and losses without sampling, `trl-ppo trajectories view DIR` draws them as a web page. "
             "None: off (nothing is computed)."
-        },
-    )
-    max_turns: int = field(
-        default=1,
-        metadata={
-            "help": "Turns of the model per episode, with `tools` / `environment_factory` given to the trainer "
-            "(at least 2 then): the model writes, its tool calls are answered, it writes again. 1: one response "
-            "per prompt, as without tools. `response_length` is the budget of the whole episode after the prompt."
-        },
-    )
-    max_tool_response_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "Tool answers longer than this many tokens are cut to it (counted in "
-            "`env/truncated_tool_responses`); None: no limit."
-        },
-    )
-    tool_chat_template: str | None = field(
-        default=None,
-        metadata={
-            "help": "'chatml': tools for a ChatML model. For one whose own template has no tool section (SmolLM2): "
-            "the episodes are rendered with the ChatML tool template shipped with trl_ppo (Qwen2.5's layout), its "
-            "calls parsed by TRL's registry (the `templates` extra), instead of with the tokenizer's own (which is "
-            "left as it is). None: the tokenizer's own template, or its stock family's."
-        },
-    )
-    truncated_episodes: Literal["terminal", "bootstrap", "mask"] = field(
-        default="terminal",
-        metadata={
-            "help": "Episodes cut before their end (budget `response_length`, `max_turns`, no stop token): "
-            "'terminal' (the cut is the end), 'bootstrap' (GAE bootstraps from the value at the last model token), "
-            "'mask' (left out of the loss)."
         },
     )

@@ -1,0 +1,46 @@
+"""`PPOConfig`'s fields that shape a multi-turn episode (turns, tool answers, the tool template, what a cut episode
+counts as), mixed into it like `EstimatorConfig`, so they follow `OnPolicyConfig`'s fields. The tools and
+environments themselves are the trainer's arguments; the episodes are played by `agents/`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class AgentConfig:
+    """`max_turns`, `max_tool_response_length`, `tool_chat_template` and `truncated_episodes`."""
+
+    max_turns: int = field(
+        default=1,
+        metadata={
+            "help": "Turns of the model per episode, with `tools` / `environment_factory` given to the trainer "
+            "(at least 2 then): the model writes, its tool calls are answered, it writes again. 1: one response "
+            "per prompt, as without tools. `response_length` is the budget of the whole episode after the prompt."
+        },
+    )
+    max_tool_response_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tool answers longer than this many tokens are cut to it (counted in "
+            "`env/truncated_tool_responses`); None: no limit."
+        },
+    )
+    tool_chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "'chatml': tools for a ChatML model. For one whose own template has no tool section (SmolLM2): "
+            "the episodes are rendered with the ChatML tool template shipped with trl_ppo (Qwen2.5's layout), its "
+            "calls parsed by TRL's registry (the `templates` extra), instead of with the tokenizer's own (which is "
+            "left as it is). None: the tokenizer's own template, or its stock family's."
+        },
+    )
+    truncated_episodes: Literal["terminal", "bootstrap", "mask"] = field(
+        default="terminal",
+        metadata={
+            "help": "Episodes cut before their end (budget `response_length`, `max_turns`, no stop token): "
+            "'terminal' (the cut is the end), 'bootstrap' (GAE bootstraps from the value at the last model token), "
+            "'mask' (left out of the loss)."
+        },
+    )
