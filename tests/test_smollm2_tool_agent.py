@@ -135,6 +135,25 @@ def test_the_trl_cross_check_trains_from_the_same_warm_start_and_writes_a_row(ti
     assert len(row["training_success"]) == 1 and 0.0 <= row["after"]["success"] <= 1.0  # 4 episodes: one update
 
 
+@pytest.mark.slow
+def test_a_trl_cell_stopped_after_its_last_step_is_evaluated_without_another_step(tiny_chatml, tmp_path):
+    """`Trainer` resumed from a checkpoint at `max_steps` takes one step more (TRL's seed 1 had 17 of 16): the
+    cell loads that checkpoint instead, and its curve is the checkpoint's."""
+    pytest.importorskip("trl")
+    out, work = tmp_path / "rows.jsonl", tmp_path / "work"
+    argv = small_run(tiny_chatml, tmp_path, "--estimator", "trl_grpo", "--out", str(out), "--work_dir", str(work),
+                     "--save_steps", "1")
+    bench.main(argv)
+    first = json.loads(out.read_text())
+    out.unlink()  # as if the process had stopped before writing its row
+    bench.main(argv)
+    again = json.loads(out.read_text())
+    (run,) = os.listdir(work)
+    assert [name for name in os.listdir(work / run) if name.startswith("checkpoint-")] == ["checkpoint-1"]
+    assert again["resumed"] and again["training_success"] == first["training_success"]
+    assert again["after"] == first["after"]  # the same trained model, evaluated greedily
+
+
 def test_the_report_keeps_rows_of_other_settings_apart(tmp_path):
     report = load_example_script("smollm2_tool_report", os.path.join("benchmark", "agents"))
     summary = {"success": 0.0, "tool_call_rate": 1.0, "calls_per_episode": 2.0, "tool_errors_per_episode": 0.0}

@@ -19,6 +19,7 @@ again (the row then says `resumed` and counts the CPU seconds of the last proces
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -35,6 +36,8 @@ KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "nu
               "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "max_grad_norm", "warm_start_settings")
 # Each trainer's own default: `Trainer`'s 1.0 for TRL's GRPO, none (0) for trl_ppo's (PPOv2 clips nothing).
 DEFAULT_MAX_GRAD_NORM = {"trl_grpo": 1.0}
+# What TRL logs of the reward at each step (its name: the function's).
+TRL_SUCCESS = "rewards/answer_reward/mean"
 SUMMARY = ("success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode")
 
 
@@ -80,20 +83,16 @@ def train_trl_ppo(args, tokenizer):
     return policy, curve
 
 
-def trl_reward(outcomes: list[float]):
-    def answer_reward(prompts, completions, answer, **columns) -> list[float]:
-        """TRL passes conversational completions (messages): the final assistant turn's last number."""
-        from agent_task import final_answer
+def answer_reward(prompts, completions, answer, **columns) -> list[float]:
+    """TRL passes conversational completions (messages): the final assistant turn's last number."""
+    from agent_task import final_answer
 
-        scores = [float(agent.last_integer(final_answer(c)) == int(a)) for c, a in zip(completions, answer)]
-        outcomes.extend(scores)
-        return scores
-
-    return answer_reward
+    return [float(agent.last_integer(final_answer(c)) == int(a)) for c, a in zip(completions, answer)]
 
 
 def train_trl_grpo(args, tokenizer):
-    """TRL 1.12's GRPOTrainer -> (the trained LM, the training success curve from its reward calls)."""
+    """TRL 1.12's GRPOTrainer -> (the trained LM, the training success curve: the reward's mean at each logged
+    step, one per update with `--ppo_epochs 1`)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -113,13 +112,28 @@ def train_trl_grpo(args, tokenizer):
         save_steps=args.save_steps or 500, save_total_limit=1, report_to="none", logging_steps=1, bf16=False,
         use_cpu=True, disable_tqdm=True,
     )
-    outcomes: list[float] = []
-    trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[trl_reward(outcomes)],
-                          processing_class=task.rendering_tokenizer(tokenizer), tools=list(task.TOOLS))
-    trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
-    curve = [round(sum(outcomes[i:i + args.batch_size]) / args.batch_size, 4)
-             for i in range(0, len(outcomes), args.batch_size)]
-    return model, curve
+    finished = finished_checkpoint(args.output_dir, config.max_steps)
+    if finished:  # resumed at its last step, `Trainer` would take one step more (a checkpoint-17 of 16)
+        model, history = AutoModelForCausalLM.from_pretrained(finished[0]), finished[1]
+    else:
+        trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[answer_reward],
+                              processing_class=task.rendering_tokenizer(tokenizer), tools=list(task.TOOLS))
+        trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
+        history = trainer.state.log_history  # a resumed run's too, restored from its checkpoint
+    return model, [round(h[TRL_SUCCESS], 4) for h in history if TRL_SUCCESS in h]
+
+
+def finished_checkpoint(folder: str, max_steps: int) -> tuple[str, list[dict]] | None:
+    """(the newest checkpoint in `folder`, its log history) when it has taken all `max_steps` steps already (the
+    run trained whole and stopped before its evaluation), else None."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    newest = get_last_checkpoint(folder) if os.path.isdir(folder) else None
+    if newest is None:
+        return None
+    with open(os.path.join(newest, "trainer_state.json"), encoding="utf-8") as handle:
+        state = json.load(handle)
+    return (newest, state["log_history"]) if state["global_step"] >= max_steps else None
 
 
 def run(args, tokenizer) -> dict:
