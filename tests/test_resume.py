@@ -150,6 +150,23 @@ def test_resume_is_bitwise_identical(variant, make_config, tokenizer, load_model
         assert resumed.run.score_moments.count == 48
 
 
+def test_a_run_resumed_from_its_last_checkpoint_takes_no_more_updates(
+    make_config, tokenizer, load_models, prompt_dataset, tmp_path
+):
+    """A run stopped after its last update's checkpoint (before its evaluation, say) resumes to its end at once:
+    `transformers.Trainer` resumed at `max_steps` takes one step more (TRL's GRPOTrainer went 16 -> 17)."""
+    output_dir = str(tmp_path / "run")
+    first = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=output_dir)
+    first.train()
+    again = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=output_dir)
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 6 and again.state.episode == 48
+    checkpoints = sorted(folder.name for folder in Path(output_dir).glob("checkpoint-*"))
+    assert checkpoints == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    a, b = weights(first), weights(again)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_with_another_batch_size_or_model_names_the_difference(
     make_config, tokenizer, load_models, prompt_dataset, tmp_path
 ):
