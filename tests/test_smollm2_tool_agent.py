@@ -120,6 +120,8 @@ def test_each_trainer_clips_gradients_as_its_own_default_unless_told_and_a_chang
     assert not ours.output_dir.endswith("clip0") and "clip" not in trl.output_dir
     clipped = bench.parse_args(["--model", tiny_chatml, "--estimator", "grpo", "--max_grad_norm", "1"])
     assert clipped.output_dir.endswith("-clip1")  # never resumes the unclipped run's checkpoints
+    without_kl = bench.parse_args(["--model", tiny_chatml, "--estimator", "grpo", "--kl_coef", "0"])
+    assert without_kl.output_dir.endswith("-kl0") and without_kl.output_dir != ours.output_dir
     assert agent.config(clipped).max_grad_norm == 1.0 and agent.config(ours).max_grad_norm == 0.0
 
 

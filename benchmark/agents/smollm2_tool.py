@@ -57,10 +57,13 @@ def parse_args(argv=None):
     default_clip = DEFAULT_MAX_GRAD_NORM.get(args.estimator, 0.0)
     if args.max_grad_norm is None:
         args.max_grad_norm = default_clip
+    # Settings off their defaults name the folder too, so that a run never resumes another's checkpoints.
+    changed = [f"-clip{args.max_grad_norm:g}"] if args.max_grad_norm != default_clip else []
+    if args.estimator != "trl_grpo" and args.kl_coef != parser.get_default("kl_coef"):
+        changed.append(f"-kl{args.kl_coef:g}")
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
                                    f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}"
-                                   f"-eos{args.missing_eos_penalty}"
-                                   + (f"-clip{args.max_grad_norm:g}" if args.max_grad_norm != default_clip else ""))
+                                   f"-eos{args.missing_eos_penalty}" + "".join(changed))
     return args
 
 
