@@ -160,14 +160,15 @@ def test_the_report_keeps_rows_of_other_settings_apart(tmp_path):
     report = load_example_script("smollm2_tool_report", os.path.join("benchmark", "agents"))
     summary = {"success": 0.0, "tool_call_rate": 1.0, "calls_per_episode": 2.0, "tool_errors_per_episode": 0.0}
     rows = [{"estimator": "gae", "seed": seed, "learning_rate": 3e-5, "updates": 16, "batch_size": 8,
-             "missing_eos_penalty": penalty, "before": summary, "after": dict(summary, success=after),
+             "missing_eos_penalty": penalty, "kl_coef": 0.05, "before": summary, "after": dict(summary, success=after),
              "training_success": [0.1, 0.5], "train_cpu_seconds": cpu, "resumed": cpu < 100}
             for seed, penalty, after, cpu in [(0, 1.0, 0.5, 100.0), (1, None, 1.0, 100.0), (2, None, 0.75, 60.0)]]
-    rows.append(dict(rows[1], seed=3, max_grad_norm=1.0))
+    rows += [dict(rows[1], seed=3, max_grad_norm=1.0), dict(rows[1], seed=4, kl_coef=0.0)]
     lines = report.table(rows).splitlines()[2:]
-    assert len(lines) == 3  # the penalised seed and the clipped one are lines of their own
-    assert "| none | none | 2 | 0.00 -> 1.00, 0.00 -> 0.75 | +0.88 |" in "\n".join(lines)
-    assert "| none | 1.0 | 1 | 0.00 -> 1.00 |" in "\n".join(lines)
+    assert len(lines) == 4  # the penalised seed, the clipped one and the one without KL are lines of their own
+    assert "| none | none | 0.05 | 2 | 0.00 -> 1.00, 0.00 -> 0.75 | +0.88 |" in "\n".join(lines)
+    assert "| none | 1.0 | 0.05 | 1 | 0.00 -> 1.00 |" in "\n".join(lines)
+    assert "| none | none | 0 | 1 | 0.00 -> 1.00 |" in "\n".join(lines)
     (pooled,) = [line for line in lines if "| 2 |" in line]
     assert pooled.endswith("| 100 (1 resumed, left out) |")  # a resumed run's CPU seconds are its last process's
     report.plot(rows, str(tmp_path / "plot.png"))
