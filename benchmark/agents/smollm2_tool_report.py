@@ -81,7 +81,8 @@ def plot(rows: list[dict], path: str) -> None:
     curves.set_xlabel("training episodes")
     curves.set_ylabel("training success (sampled)")
     curves.legend(fontsize=8)
-    labels = [f"{key[0]}\n{key[1]:g}{settings_label(key[4], key[5], key[0], key[6])}" for key, _ in groups]
+    labels = ["\n".join(filter(None, (key[0], f"{key[1]:g}", settings_label(key[4], key[5], key[0], key[6]).strip())))
+              for key, _ in groups]
     held_out.set_xticks(range(len(groups)), labels, fontsize=8)
     held_out.set_ylabel("held-out success (greedy)\nwarm start -> after")
     figure.tight_layout()
