@@ -100,6 +100,9 @@ def train_trl_grpo(args, tokenizer):
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
+    finished = finished_checkpoint(args.output_dir, args.updates * args.ppo_epochs)
+    if finished:  # resumed at its last step, `Trainer` would take one step more (a checkpoint-17 of 16)
+        return AutoModelForCausalLM.from_pretrained(finished[0]), curve_of(finished[1])
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model = AutoModelForCausalLM.from_pretrained(args.warm_start)
     rows = task.split_problems()[1]
@@ -115,15 +118,15 @@ def train_trl_grpo(args, tokenizer):
         save_steps=args.save_steps or 500, save_total_limit=1, report_to="none", logging_steps=1, bf16=False,
         use_cpu=True, disable_tqdm=True,
     )
-    finished = finished_checkpoint(args.output_dir, config.max_steps)
-    if finished:  # resumed at its last step, `Trainer` would take one step more (a checkpoint-17 of 16)
-        model, history = AutoModelForCausalLM.from_pretrained(finished[0]), finished[1]
-    else:
-        trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[answer_reward],
-                              processing_class=task.rendering_tokenizer(tokenizer), tools=list(task.TOOLS))
-        trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
-        history = trainer.state.log_history  # a resumed run's too, restored from its checkpoint
-    return model, [round(h[TRL_SUCCESS], 4) for h in history if TRL_SUCCESS in h]
+    trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[answer_reward],
+                          processing_class=task.rendering_tokenizer(tokenizer), tools=list(task.TOOLS))
+    trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
+    return model, curve_of(trainer.state.log_history)  # a resumed run's history too, restored from its checkpoint
+
+
+def curve_of(history: list[dict]) -> list[float]:
+    """The training success per logged step of TRL's log history."""
+    return [round(h[TRL_SUCCESS], 4) for h in history if TRL_SUCCESS in h]
 
 
 def finished_checkpoint(folder: str, max_steps: int) -> tuple[str, list[dict]] | None:

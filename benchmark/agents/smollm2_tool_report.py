@@ -36,8 +36,7 @@ def table(rows: list[dict]) -> str:
         seeds = ", ".join(f"{r['before']['success']:.2f} -> {r['after']['success']:.2f}" for r in group)
         lines.append(
             f"| {estimator} | {lr:g} | {updates} x {batch} | {penalty or 'none'} | {clip or 'none'} | {kl:g} | "
-            f"{len(group)} | "
-            f"{seeds} | "
+            f"{len(group)} | {seeds} | "
             f"{mean(gains):+.2f} | "
             f"{mean([r['after']['calls_per_episode'] for r in group]):.2f} | "
             f"{mean([r['after']['tool_errors_per_episode'] for r in group]):.2f} | "
