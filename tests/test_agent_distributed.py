@@ -33,10 +33,10 @@ UNGATHERED = ["--ds3_gather_for_generation", "False", "--local_rollout_forward_b
 # the gathered default; gathered sampling is tested in `test_distributed.test_deepspeed_trains_and_saves_a_full_model`.
 @pytest.mark.parametrize("layout, extra", [("ddp", []), ("zero3", UNGATHERED)])
 def test_processes_with_different_numbers_of_turns_finish_together(tmp_path, layout, extra):
-    from test_distributed import CONFIGS, LAUNCH, free_port
+    from test_distributed import CONFIGS, LAUNCH, LAUNCH_ENV, free_port
 
     config, extra_env, layout_flags, layout_accelerate_flags = LAUNCH[layout]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra_env)
+    env = dict(os.environ, **LAUNCH_ENV, **extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "scripts")])
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]

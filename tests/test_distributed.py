@@ -49,6 +49,16 @@ RUN_FLAGS = [
     "--disable_tqdm", "true",
 ]  # fmt: skip
 STOP_AT_EOS = ["--stop_token", "eos"]
+# The launched processes' environment. A process that aborts prints every thread's Python stack (faulthandler), and
+# DeepSpeed's calls of torch's deprecated collectives (a FutureWarning each, about 70 per run) no longer push
+# the lines that matter out of the stderr a failing test shows.
+LAUNCH_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONFAULTHANDLER": "1",
+    "PYTHONWARNINGS": "ignore::FutureWarning:torch.distributed.c10d_logger",
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +79,7 @@ def launch(
 ) -> list[dict]:
     """Run the script in 2 processes with `layout` (a key of `LAUNCH`), or in 1 plain process ("single");
     -> each process's report (see distributed_run.py)."""
-    env = dict(
-        os.environ,
-        TORCH_EXTENSIONS_DIR=extensions_dir,
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-    )
+    env = dict(os.environ, **LAUNCH_ENV, TORCH_EXTENSIONS_DIR=extensions_dir)
     script = [str(SCRIPT), "--report_dir", str(report_dir), "--output_dir", str(report_dir / "out"), *RUN_FLAGS, *flags]
     if layout == "single":
         command = [sys.executable, *script]

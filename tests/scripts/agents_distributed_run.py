@@ -17,7 +17,7 @@ import torch
 torch.set_num_threads(1)  # one thread per process: two processes share the two cores
 
 from datasets import Dataset  # noqa: E402
-from distributed_run import full_weights  # noqa: E402
+from distributed_run import exit_at_once, full_weights  # noqa: E402
 from transformers import AutoModelForCausalLM, HfArgumentParser, Qwen2Config  # noqa: E402
 
 from trl_ppo import PPOConfig, PPOTrainer  # noqa: E402
@@ -91,7 +91,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    import torch.distributed
-
-    if torch.distributed.is_initialized():  # an undestroyed gloo group may abort the exit ("terminate called without
-        torch.distributed.destroy_process_group()  # an active exception", seen twice in a loaded `make test`)
+    exit_at_once()
