@@ -1,4 +1,5 @@
-"""Evaluation: sample a response to every prompt of an evaluation set and measure how the policy does there.
+"""Evaluation: sample a response to every prompt of an evaluation set and measure how the policy does there
+(`evaluation_metrics`), and `PPOTrainer`'s `evaluate()` and `generate_completions()` (a mixin).
 
 TRL's last PPO trainer had none (its `evaluate()` crashed and `eval_strategy` was ignored); here
 `PPOTrainer.evaluate()` works alone and `eval_strategy` / `eval_steps` run it during `train()`.
@@ -10,9 +11,10 @@ import math
 
 import torch
 
-from . import ppo
+from . import data, ppo
+from .completions import sample_completions, show_table
 from .metrics import reward_metrics
-from .models import PreparedModels
+from .models import PreparedModels, context_length
 from .reward_functions import check_reward_columns
 from .rewards import Scoring
 from .rollout import Sampling, chunks, collect_rollout
@@ -74,3 +76,48 @@ def evaluation_metrics(
     }
     metrics.update(reward_metrics(merged, accelerator))
     return {key: value for key, value in metrics.items() if "missing_scores" not in key}
+
+
+class EvaluationMethods:
+    """Mixed into `PPOTrainer`: uses its models, config, datasets and `_models()` / `_sampling()` / `_scoring()` /
+    `collect_rollout()`."""
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sample one response (at the training temperature) to every prompt of `eval_dataset` (default: the
+        trainer's), score it, and return and log over all processes `eval_objective/scores` (and per reward),
+        `eval_objective/kl`, `eval_val/mean_response_length` and `eval_val/stop_token_frac`
+        (`evaluation.evaluation_metrics`). `eval` is `metric_key_prefix`; trackers show `eval_x` as `eval/x`."""
+        dataset = self.eval_dataset
+        if eval_dataset is not None:
+            context, vocab = context_length(self._models().wrapper.lm), self.vocabulary_size
+            tokenizer = self.processing_class
+            dataset = data.prepare_prompts(eval_dataset, tokenizer, self.args, context, "eval_dataset", vocab)
+        if dataset is None:
+            raise ValueError("`evaluate()` needs prompts: pass `eval_dataset` to it or to the trainer.")
+        step = self.state.global_step
+        where = f"Evaluation after update {step}" if step else "Evaluation before training"
+        pieces = (self.data_collator, self._models(), self._sampling(), self._scoring(), self.args, where)
+        metrics = evaluation_metrics(dataset, *pieces, collect=self.collect_rollout)
+        metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
+        self.log({**metrics, "episode": getattr(self.state, "episode", 0)})  # the episode places it on the curves
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False) -> list[dict]:
+        """Sample completions for evaluation prompts and show them with their scores (rows of `query`,
+        `model response`, `score`, returned). With `sampling=True` (during training) only the first
+        `per_device_eval_batch_size` prompts; otherwise the whole `eval_dataset` (or, without one, the first
+        prompts of `train_dataset`)."""
+        args, step = self.args, self.state.global_step
+        dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
+        whole = not sampling and self.eval_dataset is not None
+        count = min(len(dataset), len(dataset) if whole else args.per_device_eval_batch_size)
+        pieces = (self.data_collator, self._models(), self._sampling(), self._scoring())
+        where, play = f"Completions table at update {step}", None if self.agents is None else self.collect_rollout
+        rows = sample_completions(dataset, count, args.per_device_eval_batch_size, *pieces, where=where, play=play)
+        if self.accelerator.is_main_process:
+            show_table(rows, f"Completions at update {step} (sampled at temperature {args.temperature:g})",
+                       args.report_to, step)
+        return rows

@@ -4,8 +4,9 @@
 coefficient → step the learning-rate schedule → log / evaluate / save. Each step is a short method that hands the
 models, the config and the run's state (`run_state.RunState`) to a piece with explicit inputs: `rollout.py`
 (sampling, log-probs, values), `rewards.py` (scores), `ppo.py` (the math), `update.py` (the PPO epochs),
-`evaluation.py`, `completions.py`, `checkpoint/` and `saving.py`. `step()` runs the same steps on episodes made
-outside the trainer.
+`evaluation.py`, `completions.py`, `checkpoint/` and `saving.py`. Two mixins add methods: `evaluate()` and
+`generate_completions()` (`evaluation.EvaluationMethods`), and `step()`, which runs the same steps on episodes made
+outside the trainer (`step_methods.StepMethods`).
 """
 
 from __future__ import annotations
@@ -24,17 +25,15 @@ from . import data, estimators, fsdp, ppo, preparation, reporting, saving, traje
 from . import distributed as dist
 from . import update as ppo_epochs
 from .agents.runner import agent_runner
-from .completions import sample_completions, show_table
 from .config import PPOConfig
 from .config_checks import stop_and_penalty_tokens
-from .evaluation import evaluation_metrics
+from .evaluation import EvaluationMethods
 from .generation import resolve_backend
 from .kl import next_kl_coef
 from .metrics import critic_metrics, update_metrics
 from .models import (
     PolicyAndValueWrapper,
     PreparedModels,
-    context_length,
     is_peft_model,
     shared_parameters,
     vocabulary_size,
@@ -48,7 +47,7 @@ from .step_methods import StepMethods
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(StepMethods, OnPolicyTrainer):
+class PPOTrainer(EvaluationMethods, StepMethods, OnPolicyTrainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -292,47 +291,6 @@ class PPOTrainer(StepMethods, OnPolicyTrainer):
                 f"({self.run.skipped_updates} skipped so far)."
             )
         return result
-
-    # ------------------------------------------------------------------------- evaluation and completions
-    @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Sample one response (at the training temperature) to every prompt of `eval_dataset` (default: the
-        trainer's), score it, and return and log over all processes `eval_objective/scores` (and per reward),
-        `eval_objective/kl`, `eval_val/mean_response_length` and `eval_val/stop_token_frac`
-        (`evaluation.evaluation_metrics`). `eval` is `metric_key_prefix`; trackers show `eval_x` as `eval/x`."""
-        dataset = self.eval_dataset
-        if eval_dataset is not None:
-            context, vocab = context_length(self._models().wrapper.lm), self.vocabulary_size
-            tokenizer = self.processing_class
-            dataset = data.prepare_prompts(eval_dataset, tokenizer, self.args, context, "eval_dataset", vocab)
-        if dataset is None:
-            raise ValueError("`evaluate()` needs prompts: pass `eval_dataset` to it or to the trainer.")
-        step = self.state.global_step
-        where = f"Evaluation after update {step}" if step else "Evaluation before training"
-        pieces = (self.data_collator, self._models(), self._sampling(), self._scoring(), self.args, where)
-        metrics = evaluation_metrics(dataset, *pieces, collect=self.collect_rollout)
-        metrics = {f"{metric_key_prefix}_{key}": value for key, value in metrics.items()}
-        self.log({**metrics, "episode": getattr(self.state, "episode", 0)})  # the episode places it on the curves
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
-
-    @torch.no_grad()
-    def generate_completions(self, sampling: bool = False) -> list[dict]:
-        """Sample completions for evaluation prompts and show them with their scores (rows of `query`,
-        `model response`, `score`, returned). With `sampling=True` (during training) only the first
-        `per_device_eval_batch_size` prompts; otherwise the whole `eval_dataset` (or, without one, the first
-        prompts of `train_dataset`)."""
-        args, step = self.args, self.state.global_step
-        dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
-        whole = not sampling and self.eval_dataset is not None
-        count = min(len(dataset), len(dataset) if whole else args.per_device_eval_batch_size)
-        pieces = (self.data_collator, self._models(), self._sampling(), self._scoring())
-        where, play = f"Completions table at update {step}", None if self.agents is None else self.collect_rollout
-        rows = sample_completions(dataset, count, args.per_device_eval_batch_size, *pieces, where=where, play=play)
-        if self.accelerator.is_main_process:
-            show_table(rows, f"Completions at update {step} (sampled at temperature {args.temperature:g})",
-                       args.report_to, step)
-        return rows
 
     # ------------------------------------------------------------------------------ what the steps share
     @property
