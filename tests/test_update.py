@@ -197,3 +197,57 @@ def test_a_nan_max_grad_norm_set_after_the_config_was_checked_clips_nothing(
     trainer.args.max_grad_norm = float("nan")  # clipping to NaN made every weight NaN
     trainer.train()
     assert all(torch.isfinite(tensor).all() for tensor in _weights(trainer).values())
+
+
+def _flat_after_first_update():
+    """A reward that splits each group of 4 in its first 8 episodes (update 1) and scores every later episode 1.0,
+    so that from update 2 on every group is flat: with no KL term, each advantage and the gradient are exactly 0."""
+    scored = []
+
+    def reward(prompts, completions, **kwargs):
+        first = len(scored) < 8
+        scored.extend(completions)
+        return [float(i % 2) for i in range(len(completions))] if first else [1.0] * len(completions)
+
+    return reward
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_zero_gradient_moves_adamw_by_its_momentum_unless_skipped(
+    skip, make_config, tokenizer, load_models, prompt_dataset
+):
+    from transformers import TrainerCallback
+
+    class AfterEachUpdate(TrainerCallback):
+        weights, exp_avg = [], []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.weights.append(_weights(trainer))
+            moments = [s["exp_avg"].clone() for s in trainer.optimizer.state.values() if "exp_avg" in s]
+            self.exp_avg.append(moments)
+
+    config = make_config(advantage_estimator="grpo", num_generations=4, kl_coef=0.0, num_ppo_epochs=1,
+                         total_episodes=16, skip_zero_gradient_steps=skip)  # fmt: skip
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, reward=_flat_after_first_update(),
+                            value_model=None, callbacks=[AfterEachUpdate()])  # fmt: skip
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "episode" in entry and "grad_norm" in entry]
+    assert logs[0]["grad_norm"] > 0 and logs[1]["grad_norm"] == 0.0  # update 2: every group flat
+    (first, second), (moments_first, moments_second) = AfterEachUpdate.weights, AfterEachUpdate.exp_avg
+    unchanged = all(torch.equal(first[name], second[name]) for name in first)
+    if skip:  # no step: the weights and AdamW's state stay as update 1 left them
+        assert unchanged and all(torch.equal(a, b) for a, b in zip(moments_first, moments_second))
+        assert [entry["policy/zero_gradient_steps"] for entry in logs] == [0.0, 1.0]
+    else:  # AdamW steps on the zero gradient: its momentum (0.9 of update 1's) moves the weights
+        assert not unchanged and "policy/zero_gradient_steps" not in logs[1]
+
+
+def test_skip_zero_gradient_steps_is_refused_with_fp16_and_under_deepspeed(make_config):
+    from trl_ppo.config_checks import validate_config
+    from trl_ppo.distributed import check_supported
+
+    with pytest.raises(ValueError, match=r"`skip_zero_gradient_steps` reads the gradient's norm before each step"):
+        validate_config(make_config(skip_zero_gradient_steps=True, fp16=True))
+
+    with pytest.raises(ValueError, match=r"`skip_zero_gradient_steps` cannot be used under DeepSpeed"):
+        check_supported(make_config(skip_zero_gradient_steps=True), True, None, 2, False)

@@ -53,7 +53,8 @@ SECTIONS = (
      "reward_timeout user_call_retries user_call_backoff"),
     ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef critic_warmup_steps "
      "num_critic_epochs lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
-    ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates"),
+    ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates "
+     "skip_zero_gradient_steps"),
     ("logging, saving, evaluation", "logging_steps report_to save_strategy save_steps save_value_model "
      "eval_strategy eval_steps seed trajectory_dir"),
     # newer transformers releases call `gradient_checkpointing` `activation_checkpointing`: whichever exists shows

@@ -292,8 +292,8 @@ CRITIC_OPTIONS = (
 
 
 def _validate_estimator(args: PPOConfig) -> None:
-    """`advantage_estimator`, `num_generations` and `scale_rewards`, and the options a critic-free estimator has no
-    use for."""
+    """`advantage_estimator`, `num_generations`, `scale_rewards` and `skip_zero_gradient_steps`, and the options a
+    critic-free estimator has no use for."""
     estimator, generations = args.advantage_estimator, args.num_generations
     if estimator not in ESTIMATORS:
         fail(f"Unknown `advantage_estimator` {estimator!r}: use one of {', '.join(map(repr, ESTIMATORS))}.")
@@ -308,6 +308,9 @@ def _validate_estimator(args: PPOConfig) -> None:
     if local % generations:
         fail(f"Each process's batch must hold whole groups of `num_generations` ({generations}) samples of a prompt: "
              f"`per_device_train_batch_size * gradient_accumulation_steps` ({local}) is not a multiple of it.")
+    if args.skip_zero_gradient_steps and args.fp16:
+        fail("`skip_zero_gradient_steps` reads the gradient's norm before each step, and fp16's loss scaler steps on "
+             "its own: use bf16 or float32, or leave the option off.")
     if uses_critic(estimator):
         return
     if generations < 2:

@@ -10,7 +10,8 @@ from typing import Literal
 
 @dataclass
 class EstimatorConfig:
-    """`advantage_estimator`, `num_generations` and `scale_rewards` (OpenRLHF's and TRL GRPO's names)."""
+    """`advantage_estimator`, `num_generations` and `scale_rewards` (OpenRLHF's and TRL GRPO's names), and
+    `skip_zero_gradient_steps`, for the batches a group estimator finds no signal in."""
 
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_baseline"] = field(
         default="gae",
@@ -45,5 +46,16 @@ class EstimatorConfig:
             "help": "How `advantage_estimator='grpo'` scales (TRL GRPO's name). 'group' divides each group's "
             "centred returns by the group's standard deviation (+1e-4), as GRPO does; 'none' does not (Dr. GRPO, Liu "
             "et al. 2025: the std favours prompts that are almost always or almost never solved)."
+        },
+    )
+    skip_zero_gradient_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "Take no optimizer step when a minibatch's gradient is exactly zero everywhere, as it is with a "
+            "critic-free `advantage_estimator` when every group's samples scored alike (and no KL, entropy or value "
+            "term is left in the loss). AdamW would still move the weights by its momentum, by about a full step "
+            "along the last direction; skipped, its state is left as it was. Counted per update in "
+            "`policy/zero_gradient_steps`. Not under DeepSpeed or fp16 (their steps are taken before the norm is "
+            "known)."
         },
     )

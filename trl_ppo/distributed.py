@@ -62,6 +62,7 @@ def check_supported(
             ("early_stopping", getattr(args, "early_stopping", False)),
             ("ratio_threshold", getattr(args, "ratio_threshold", None) is not None),
             ("skip_nonfinite_updates", args.skip_nonfinite_updates),
+            ("skip_zero_gradient_steps", getattr(args, "skip_zero_gradient_steps", False)),
             ("critic_warmup_steps", getattr(args, "critic_warmup_steps", 0) > 0),
         )
         if value

@@ -29,6 +29,7 @@ class Verdict(enum.Enum):
     SKIP = "skip"  # `ratio_threshold`: drop its gradients, go on with the next minibatch
     STOP = "stop"  # `early_stopping`: drop its gradients and end the update
     NONFINITE = "nonfinite"  # a non-finite loss or gradient norm: drop its gradients and its stats, end the update
+    ZERO = "zero"  # `skip_zero_gradient_steps`: a gradient of exactly zero, no step (AdamW's momentum would move)
 
     @property
     def ends_update(self) -> bool:
@@ -92,6 +93,8 @@ def ppo_update(
         norm = gradient_norm(models, args) if verdict is Verdict.STEP else None
         if norm is not None and not all_finite(norm.reshape(1), models.accelerator):
             verdict, nonfinite = Verdict.NONFINITE, NONFINITE_GRADIENT
+        elif norm is not None and getattr(args, "skip_zero_gradient_steps", False) and norm.item() == 0.0:
+            verdict = Verdict.ZERO  # the norm is the same on every process: they all skip
         if verdict is Verdict.STEP:
             optimizer.step()
         optimizer.zero_grad()
@@ -114,6 +117,8 @@ def ppo_update(
             result.stats["policy/early_stop_frac"] = torch.tensor([counts[Verdict.STEP] / planned], device=device)
         if args.ratio_threshold is not None:
             result.stats["policy/skipped_minibatches"] = torch.tensor([float(counts[Verdict.SKIP])], device=device)
+        if getattr(args, "skip_zero_gradient_steps", False):
+            result.stats["policy/zero_gradient_steps"] = torch.tensor([float(counts[Verdict.ZERO])], device=device)
     return result
 
 

@@ -33,7 +33,8 @@ from rows import append_row, has_row  # noqa: E402
 task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
-              "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "max_grad_norm", "warm_start_settings")
+              "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "max_grad_norm", "skip_zero_gradient_steps",
+              "warm_start_settings")
 # Each trainer's own default: `Trainer`'s 1.0 for TRL's GRPO, none (0) for trl_ppo's (PPOv2 clips nothing).
 DEFAULT_MAX_GRAD_NORM = {"trl_grpo": 1.0}
 # What TRL logs of the reward at each step (its name: the function's).
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     if args.estimator == "trl_grpo":
         if args.missing_eos_penalty is not None:
             parser.error("--missing_eos_penalty: TRL's GRPOTrainer has no such penalty")
+        if args.skip_zero_gradient_steps:
+            parser.error("--skip_zero_gradient_steps: TRL's GRPOTrainer has no such option")
         args.kl_coef = 0.0  # TRL's default `beta`: no KL term
     default_clip = DEFAULT_MAX_GRAD_NORM.get(args.estimator, 0.0)
     if args.max_grad_norm is None:
@@ -61,6 +64,8 @@ def parse_args(argv=None):
     changed = [f"-clip{args.max_grad_norm:g}"] if args.max_grad_norm != default_clip else []
     if args.estimator != "trl_grpo" and args.kl_coef != parser.get_default("kl_coef"):
         changed.append(f"-kl{args.kl_coef:g}")
+    if args.skip_zero_gradient_steps:
+        changed.append("-skip0")
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
                                    f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}"
                                    f"-eos{args.missing_eos_penalty}" + "".join(changed))
@@ -157,7 +162,8 @@ def run(args, tokenizer) -> dict:
         "batch_size": args.batch_size, "num_generations": args.num_generations, "kl_coef": args.kl_coef,
         "ppo_epochs": args.ppo_epochs, "lr_scheduler_type": args.lr_scheduler_type,
         "missing_eos_penalty": args.missing_eos_penalty, "max_grad_norm": args.max_grad_norm,
-        "warm_start_settings": args.warm_start_settings, "held_out": len(held_out),
+        "skip_zero_gradient_steps": args.skip_zero_gradient_steps, "warm_start_settings": args.warm_start_settings,
+        "held_out": len(held_out),
         "before": before, "after": after, "training_success": curve, "train_cpu_seconds": round(train_cpu, 1),
         "resumed": resumed,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

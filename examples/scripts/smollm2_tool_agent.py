@@ -60,6 +60,7 @@ def config(args):
         tool_chat_template="chatml", advantage_estimator=args.estimator,
         gae_level="turn", lam=1.0,  # the final answer's reward reaches the first call undecayed (RESULTS, credit)
         num_generations=1 if critic else args.num_generations, kl_coef=args.kl_coef, max_grad_norm=args.max_grad_norm,
+        skip_zero_gradient_steps=args.skip_zero_gradient_steps,
         local_rollout_forward_batch_size=args.batch_size, num_sample_generations=0, seed=args.seed,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=1,
         report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
@@ -155,6 +156,9 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
     parser.add_argument("--max_grad_norm", type=float, default=0.0,
                         help="clip the gradient's norm to this before each optimizer step (0: no clipping, "
                         "trl_ppo's default as PPOv2's)")
+    parser.add_argument("--skip_zero_gradient_steps", action="store_true",
+                        help="take no optimizer step on a gradient of exactly zero (every group flat), where AdamW "
+                        "would still move the weights by its momentum")
     parser.add_argument("--missing_eos_penalty", type=float, default=None,
                         help="subtracted from the score of an episode cut by the token budget (default: none, the "
                         "reward is the final answer's alone)")
