@@ -70,7 +70,7 @@ def test_minibatch_verdicts():
     assert judge_minibatch(
         stats(approxkl=(0.1, 0.3)), accelerator, settings(early_stopping=True, target_kl=0.2), 1
     ) is (Verdict.STEP)
-    assert [v.ends_update for v in Verdict] == [False, False, True, True]
+    assert [v.ends_update for v in Verdict] == [False, False, True, True, False]  # ZERO goes on
 
 
 def test_minibatches_cover_every_episode_once_per_epoch():

@@ -13,11 +13,12 @@ import statistics
 
 def cells(rows: list[dict]) -> dict[tuple, list[dict]]:
     """Rows grouped by (estimator, learning rate, updates, batch size, missing-EOS penalty, max gradient norm, KL
-    coefficient), seeds in order: rows of other settings are never pooled."""
+    coefficient, zero-gradient steps skipped), seeds in order: rows of other settings are never pooled."""
     groups: dict[tuple, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["seed"]):
         key = (row["estimator"], row["learning_rate"], row["updates"], row["batch_size"],
-               row.get("missing_eos_penalty"), row.get("max_grad_norm"), row.get("kl_coef"))
+               row.get("missing_eos_penalty"), row.get("max_grad_norm"), row.get("kl_coef"),
+               bool(row.get("skip_zero_gradient_steps")))
         groups.setdefault(key, []).append(row)
     return groups
 
@@ -31,11 +32,12 @@ def table(rows: list[dict]) -> str:
              "held-out success: warm start -> after (each seed) | mean gain | calls / episode after | "
              "tool errors / episode after | training CPU-s (mean) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (estimator, lr, updates, batch, penalty, clip, kl), group in sorted(cells(rows).items(), key=str):
+    for (estimator, lr, updates, batch, penalty, clip, kl, skip), group in sorted(cells(rows).items(), key=str):
         gains = [r["after"]["success"] - r["before"]["success"] for r in group]
+        method = estimator + (", zero-gradient steps skipped" if skip else "")
         seeds = ", ".join(f"{r['before']['success']:.2f} -> {r['after']['success']:.2f}" for r in group)
         lines.append(
-            f"| {estimator} | {lr:g} | {updates} x {batch} | {penalty or 'none'} | {clip or 'none'} | {kl:g} | "
+            f"| {method} | {lr:g} | {updates} x {batch} | {penalty or 'none'} | {clip or 'none'} | {kl:g} | "
             f"{len(group)} | {seeds} | "
             f"{mean(gains):+.2f} | "
             f"{mean([r['after']['calls_per_episode'] for r in group]):.2f} | "
@@ -52,11 +54,11 @@ def training_cpu(group: list[dict]) -> str:
     return (f"{mean(whole):.0f}" if whole else "-") + (f" ({resumed} resumed, left out)" if resumed else "")
 
 
-def settings_label(penalty, clip, estimator: str, kl: float) -> str:
+def settings_label(penalty, clip, estimator: str, kl: float, skip: bool = False) -> str:
     """What sets a cell apart from the plain runs, in the plot's labels (TRL's GRPO has no KL term by default)."""
     plain_kl = 0.0 if estimator == "trl_grpo" else 0.05
     return (" EOS pen." if penalty else "") + (f" clip {clip:g}" if clip else "") + (
-        f" KL {kl:g}" if kl != plain_kl else "")
+        f" KL {kl:g}" if kl != plain_kl else "") + (" skip 0-grad" if skip else "")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -69,8 +71,8 @@ def plot(rows: list[dict], path: str) -> None:
 
     figure, (curves, held_out) = plt.subplots(1, 2, figsize=(11, 3.8))
     groups = sorted(cells(rows).items(), key=str)
-    for index, ((estimator, lr, updates, batch, penalty, clip, kl), group) in enumerate(groups):
-        name = f"{estimator} lr {lr:g}{settings_label(penalty, clip, estimator, kl)} ({len(group)})"
+    for index, ((estimator, lr, updates, batch, penalty, clip, kl, skip), group) in enumerate(groups):
+        name = f"{estimator} lr {lr:g}{settings_label(penalty, clip, estimator, kl, skip)} ({len(group)})"
         steps = min(len(r["training_success"]) for r in group)
         curve = [mean([r["training_success"][i] for r in group]) for i in range(steps)]
         curves.plot([(i + 1) * batch for i in range(steps)], curve, label=name)
@@ -80,7 +82,7 @@ def plot(rows: list[dict], path: str) -> None:
     curves.set_xlabel("training episodes")
     curves.set_ylabel("training success (sampled)")
     curves.legend(fontsize=8)
-    labels = ["\n".join(filter(None, (key[0], f"{key[1]:g}", settings_label(key[4], key[5], key[0], key[6]).strip())))
+    labels = ["\n".join(filter(None, (key[0], f"{key[1]:g}", settings_label(*key[4:6], key[0], *key[6:]).strip())))
               for key, _ in groups]
     held_out.set_xticks(range(len(groups)), labels, fontsize=8)
     held_out.set_ylabel("held-out success (greedy)\nwarm start -> after")
