@@ -69,7 +69,7 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (curves, held_out) = plt.subplots(1, 2, figsize=(11, 3.8))
+    figure, (curves, held_out) = plt.subplots(1, 2, figsize=(13, 4.2))
     groups = sorted(cells(rows).items(), key=str)
     for index, ((estimator, lr, updates, batch, penalty, clip, kl, skip), group) in enumerate(groups):
         name = f"{estimator} lr {lr:g}{settings_label(penalty, clip, estimator, kl, skip)} ({len(group)})"
@@ -82,8 +82,8 @@ def plot(rows: list[dict], path: str) -> None:
     curves.set_xlabel("training episodes")
     curves.set_ylabel("training success (sampled)")
     curves.legend(fontsize=8)
-    labels = ["\n".join(filter(None, (key[0], f"{key[1]:g}", settings_label(*key[4:6], key[0], *key[6:]).strip())))
-              for key, _ in groups]
+    settings = [settings_label(*key[4:6], key[0], *key[6:]).strip().replace(" skip", "\nskip") for key, _ in groups]
+    labels = ["\n".join(filter(None, (key[0], f"{key[1]:g}", extra))) for (key, _), extra in zip(groups, settings)]
     held_out.set_xticks(range(len(groups)), labels, fontsize=8)
     held_out.set_ylabel("held-out success (greedy)\nwarm start -> after")
     figure.tight_layout()
