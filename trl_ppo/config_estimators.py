@@ -53,8 +53,8 @@ class EstimatorConfig:
         metadata={
             "help": "Take no optimizer step when a minibatch's gradient is exactly zero everywhere, as it is with a "
             "critic-free `advantage_estimator` when every group's samples scored alike (and no KL, entropy or value "
-            "term is left in the loss). AdamW would still move the weights by its momentum, by about a full step "
-            "along the last direction; skipped, its state is left as it was. Counted per update in "
+            "term is left in the loss). AdamW would still move the weights by its momentum (about 0.9 of its last "
+            "step, per weight); skipped, its state is left as it was. Counted per update in "
             "`policy/zero_gradient_steps`. Not under DeepSpeed or fp16 (their steps are taken before the norm is "
             "known)."
         },
