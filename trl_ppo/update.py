@@ -93,7 +93,7 @@ def ppo_update(
         norm = gradient_norm(models, args) if verdict is Verdict.STEP else None
         if norm is not None and not all_finite(norm.reshape(1), models.accelerator):
             verdict, nonfinite = Verdict.NONFINITE, NONFINITE_GRADIENT
-        elif norm is not None and getattr(args, "skip_zero_gradient_steps", False) and norm.item() == 0.0:
+        elif norm is not None and args.skip_zero_gradient_steps and norm.item() == 0.0:
             verdict = Verdict.ZERO  # the norm is the same on every process: they all skip
         if verdict is Verdict.STEP:
             optimizer.step()
@@ -117,7 +117,7 @@ def ppo_update(
             result.stats["policy/early_stop_frac"] = torch.tensor([counts[Verdict.STEP] / planned], device=device)
         if args.ratio_threshold is not None:
             result.stats["policy/skipped_minibatches"] = torch.tensor([float(counts[Verdict.SKIP])], device=device)
-        if getattr(args, "skip_zero_gradient_steps", False):
+        if args.skip_zero_gradient_steps:
             result.stats["policy/zero_gradient_steps"] = torch.tensor([float(counts[Verdict.ZERO])], device=device)
     return result
 
