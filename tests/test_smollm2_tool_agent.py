@@ -109,6 +109,9 @@ def test_the_trl_cross_check_is_refused_a_penalty_trl_does_not_have_and_records_
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo", "--missing_eos_penalty", "1.0"])
     assert "TRL's GRPOTrainer has no such penalty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo", "--skip_zero_gradient_steps"])
+    assert "TRL's GRPOTrainer has no such option" in capsys.readouterr().err
     args = bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo"])
     assert args.kl_coef == 0.0 and args.num_generations == 4
 
@@ -122,6 +125,8 @@ def test_each_trainer_clips_gradients_as_its_own_default_unless_told_and_a_chang
     assert clipped.output_dir.endswith("-clip1")  # never resumes the unclipped run's checkpoints
     without_kl = bench.parse_args(["--model", tiny_chatml, "--estimator", "grpo", "--kl_coef", "0"])
     assert without_kl.output_dir.endswith("-kl0") and without_kl.output_dir != ours.output_dir
+    skipping = bench.parse_args(["--model", tiny_chatml, "--estimator", "rloo", "--skip_zero_gradient_steps"])
+    assert skipping.output_dir.endswith("-skip0") and agent.config(skipping).skip_zero_gradient_steps
     assert agent.config(clipped).max_grad_norm == 1.0 and agent.config(ours).max_grad_norm == 0.0
 
 
@@ -163,9 +168,11 @@ def test_the_report_keeps_rows_of_other_settings_apart(tmp_path):
              "missing_eos_penalty": penalty, "kl_coef": 0.05, "before": summary, "after": dict(summary, success=after),
              "training_success": [0.1, 0.5], "train_cpu_seconds": cpu, "resumed": cpu < 100}
             for seed, penalty, after, cpu in [(0, 1.0, 0.5, 100.0), (1, None, 1.0, 100.0), (2, None, 0.75, 60.0)]]
-    rows += [dict(rows[1], seed=3, max_grad_norm=1.0), dict(rows[1], seed=4, kl_coef=0.0)]
+    rows += [dict(rows[1], seed=3, max_grad_norm=1.0), dict(rows[1], seed=4, kl_coef=0.0),
+             dict(rows[1], seed=5, skip_zero_gradient_steps=True)]
     lines = report.table(rows).splitlines()[2:]
-    assert len(lines) == 4  # the penalised seed, the clipped one and the one without KL are lines of their own
+    assert len(lines) == 5  # the penalised, clipped, KL-free and zero-gradient-skipping seeds: lines of their own
+    assert "| gae, zero-gradient steps skipped | 3e-05 |" in "\n".join(lines)
     assert "| none | none | 0.05 | 2 | 0.00 -> 1.00, 0.00 -> 0.75 | +0.88 |" in "\n".join(lines)
     assert "| none | 1.0 | 0.05 | 1 | 0.00 -> 1.00 |" in "\n".join(lines)
     assert "| none | none | 0 | 1 | 0.00 -> 1.00 |" in "\n".join(lines)
