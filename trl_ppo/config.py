@@ -398,6 +398,7 @@ class PPOConfig(AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
             "(`trajectories-<rank>.jsonl`: ids, model mask, turn starts, rewards, log-probs, values, advantages, "
             "returns, the text of each model turn, tool answer and token); `trl-ppo trajectories FILE` recomputes "
             "their advantages and losses without sampling, `trl-ppo trajectories view DIR` draws them as a web page. "
+            "An update is written once applied; one a resume redoes is read from its last copy (each update once). "
             "None: off (nothing is computed)."
         },
     )

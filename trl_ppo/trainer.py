@@ -192,11 +192,11 @@ class PPOTrainer(EvaluationMethods, StepMethods, OnPolicyTrainer):
                 rewards = self.compute_rewards(rollout)  # score - kl_coef * KL, per token
                 trained = self.trained_episodes(rollout)  # `truncated_episodes="mask"` leaves the truncated out
                 advantages = self.compute_advantages(trained, rewards)  # GAE, or a group estimator
-                self._write_trajectories(update, trained, rewards, advantages)  # with `trajectory_dir`
                 last = update == args.num_total_batches  # a stop then finishes the run instead
                 if not last and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
                 update_stats = self.ppo_update(trained, advantages).stats
+                self._write_trajectories(update, trained, rewards, advantages)  # applied: with `trajectory_dir`
 
                 metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward, trained, advantages)
                 self.run.kl_coef = next_kl_coef(self.run.kl_coef, metrics["objective/kl"], self.args)
@@ -264,7 +264,9 @@ class PPOTrainer(EvaluationMethods, StepMethods, OnPolicyTrainer):
                                                                                        rollout.truncated))
 
     def _write_trajectories(self, update: int, rollout: Rollout, rewards, advantages: ppo.Advantages) -> None:
-        """With `trajectory_dir`, append this process's episodes of the update to its file (`trajectories.py`)."""
+        """With `trajectory_dir`, append this process's episodes of the update to its file (`trajectories.py`), once
+        the update is applied: an update dropped at a stop writes nothing, and one that a resume redoes (killed
+        before its checkpoint) is written again, its readers then reading the last copy."""
         if self.args.trajectory_dir is None:
             return
         rank, tokenizer = self.accelerator.process_index, self.processing_class

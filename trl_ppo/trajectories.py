@@ -13,25 +13,45 @@ turn and tool answer (`segments`) and that of each response token (`tokens`); in
 the episode's `tool_calls` and `tool_errors`. Each process appends to its own file, `trajectories-<rank>.jsonl`: the
 advantages are whitened (and the groups of a critic-free estimator kept) within one process's episodes, so one file's
 update recomputes alone. `trl-ppo trajectories view` shows them in a browser (`viewer.py`).
+
+A file stays true across preemption and resume: the trainer writes an update's records once the update is applied
+(an update dropped at SIGTERM writes nothing), and a file is append-only, read as one timeline. An update whose
+records are written again (a run killed after writing update k but before its checkpoint redoes k on resume) is
+read from its last copy, and what was written after the first copy (updates >= k of the abandoned run) is left
+out: a resumed run's records replace those from its checkpoint on. The readers apply this, not the writer: a file
+is only appended to, so no rewrite of it can be cut short by a kill, and a resume needs no step of its own (the
+older copies stay in the file, unread). A new run written into the same folder replaces the old one the same way,
+from its update 1. An update's records are one run of lines whose `episode` rises; a line of
+the same update whose `episode` does not rise starts another copy. A partial last line (a write killed midway) is
+left out with a warning, and cut off by the writer before it appends; a line that is not a record anywhere else is
+refused, naming it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from transformers.utils import logging
 
 from . import estimators, losses, ppo
 from .rollout import Rollout
+
+logger = logging.get_logger(__name__)
 
 # The settings a recomputation needs, read from the config and written on every line.
 SETTINGS = ("gamma", "lam", "lam_value", "length_adaptive_lam_alpha", "gae_level", "cliprange", "cliprange_value",
             "loss_agg_mode", "truncated_episodes", "advantage_estimator", "num_generations",
             "scale_rewards")  # fmt: skip
+# The start of a record's line as `write_update` writes it (`json.dumps` keeps the dict's order): a file's first
+# pass reads the update and episode from it without parsing the line. Quotes inside JSON strings are escaped, so a
+# whole record holds it once: a line holding it twice is a cut write with another appended to it, parsed (refused).
+HEADER = re.compile(r'\{"update": (-?\d+), "rank": -?\d+, "episode": (\d+),')
 
 
 def trajectory_file(directory: str, rank: int) -> str:
@@ -111,29 +131,108 @@ def token_texts(ids: list[int], tokenizer, context: int = 4) -> list[str]:
 
 
 def write_update(directory: str, rank: int, records: list[dict]) -> None:
-    """Append one update's records to this process's file (the folder is made when missing)."""
+    """Append one update's records to this process's file (the folder is made when missing), after cutting off a
+    partial last line left by a run killed while writing (`drop_partial_line`)."""
     os.makedirs(directory, exist_ok=True)
-    with open(trajectory_file(directory, rank), "a", encoding="utf-8") as file:
-        file.writelines(json.dumps(record) + "\n" for record in records)
+    path = trajectory_file(directory, rank)
+    drop_partial_line(path)
+    with open(path, "a", encoding="utf-8") as file:
+        file.write("".join(json.dumps(record) + "\n" for record in records))
 
 
-def iter_records(path: str, required: tuple[str, ...] = ("update",)):
-    """The records of one process's file, one at a time, each checked to be a JSON object with the `required`
-    fields (an error names the line)."""
-    with open(path, encoding="utf-8") as file:
+def drop_partial_line(path: str, chunk: int = 1 << 16) -> None:
+    """Cut off the file's last line when a kill cut it short (no newline, not JSON), with a warning, so that the
+    next record starts a line of its own; a last line that lost only its newline gets it back."""
+    if not os.path.exists(path):
+        return
+    with open(path, "r+b") as file:
+        end = file.seek(0, os.SEEK_END)
+        if end == 0 or _read_at(file, end - 1, end) == b"\n":
+            return
+        start = end  # becomes the last line's first byte: after the last newline, read backwards a chunk at a time
+        while start > 0:
+            begin = max(0, start - chunk)
+            block = _read_at(file, begin, start)
+            if b"\n" in block:
+                start = begin + block.rindex(b"\n") + 1
+                break
+            start = begin
+        if _is_record(_read_at(file, start, end)):  # (the file is read to its end: the newline is appended)
+            file.write(b"\n")
+            return
+        file.truncate(start)
+    logger.warning(f"{path}: its last line was cut short (the run was killed while writing it); it is removed "
+                   f"before this update's episodes are appended ({end - start} bytes).")  # fmt: skip
+
+
+def _read_at(file, start: int, stop: int) -> bytes:
+    file.seek(start)
+    return file.read(stop - start)
+
+
+def _is_record(text: str | bytes) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+        return False
+
+
+def _parse(line: str, path: str, number: int, required: tuple[str, ...]) -> dict:
+    """One line as a record: a JSON object with the `required` fields (else a ValueError naming the line)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}, line {number}: not a JSON trajectory record ({error.msg}).") from None
+    missing = [name for name in required if name not in record] if isinstance(record, dict) else required
+    if missing:
+        raise ValueError(f"{path}, line {number}: not a trajectory record (it has no {', '.join(missing)}).")
+    return record
+
+
+def _update_and_episode(line: str, path: str, number: int) -> tuple[int, int | None]:
+    """A line's update and episode number (None in files that have none), from its start when `write_update`
+    wrote it whole, else from parsing it."""
+    match = HEADER.match(line)
+    if match and line.endswith("}\n") and line.count('{"update": ') == 1:
+        return int(match[1]), int(match[2])
+    record = _parse(line, path, number, ("update",))
+    return record["update"], record.get("episode")
+
+
+def kept_lines(path: str) -> list[range]:
+    """The lines (numbered from 1) of one process's file that its readers show: one range per update, in update
+    order, each update's last copy and nothing written before it of later updates (see the module's docstring).
+    A partial last line is left out with a warning; a line that is not a record elsewhere raises ValueError."""
+    kept: list[list] = []  # [update, last episode, first line, line after the last] of each copy kept so far
+    with open(path, encoding="utf-8", errors="replace") as file:
         for number, line in enumerate(file, 1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {number}: not a JSON trajectory record ({error.msg}).") from None
-            missing = [name for name in required if name not in record] if isinstance(record, dict) else required
-            if missing:
-                raise ValueError(f"{path}, line {number}: not a trajectory record (it has no {', '.join(missing)}).")
-            yield record
+            if not line.endswith("\n") and not _is_record(line):  # only the last line can lack its newline
+                logger.warning(f"{path}, line {number}: the last line is cut short (the run was killed while "
+                               "writing it); it is left out and the lines before it are read.")  # fmt: skip
+                break
+            update, episode = _update_and_episode(line, path, number)
+            last = kept[-1] if kept else None
+            if last and last[0] == update and (episode is None or last[1] is None or episode > last[1]):
+                last[1], last[3] = episode, number + 1  # the same write goes on
+                continue
+            while kept and kept[-1][0] >= update:  # written again: a resumed run redid the update from here
+                kept.pop()
+            kept.append([update, episode, number, number + 1])
+    return [range(first, stop) for _, _, first, stop in kept]
+
+
+def iter_records(path: str, required: tuple[str, ...] = ("update",), lines: list[range] | None = None):
+    """The records of one process's file that its readers show (`lines`, by default `kept_lines(path)`), one at a
+    time, each checked to be a JSON object with the `required` fields (an error names the line)."""
+    shown = {number for numbers in (kept_lines(path) if lines is None else lines) for number in numbers}
+    with open(path, encoding="utf-8", errors="replace") as file:
+        for number, line in enumerate(file, 1):
+            if number in shown:
+                yield _parse(line, path, number, required)
 
 
 def read_updates(path: str) -> dict[int, list[dict]]:
-    """{update: its episodes' records, in order} from one process's file."""
+    """{update: its episodes' records, in order} from one process's file, each update once (`kept_lines`)."""
     updates = defaultdict(list)
     for record in iter_records(path):
         updates[record["update"]].append(record)

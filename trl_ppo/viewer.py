@@ -6,6 +6,7 @@ episodes, sortable and filterable; an episode turn by turn, tool answers set apa
 the model's tokens coloured by a chosen quantity, its number on hover. It is rendered with Jinja2 from
 `templates/trajectories.html.j2`, whose small script draws everything from one JSON block of the episodes. Beyond
 `max_episodes` episodes a random sample (the same each time) is shown; the update summaries count every episode.
+Each update is shown once, from its last copy in a file that a resumed run wrote again (`trajectories.kept_lines`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from importlib import resources
 import torch
 
 from .statistics import explained_variance
-from .trajectories import iter_records
+from .trajectories import iter_records, kept_lines
 
 MAX_EPISODES = 2000  # 2,000 agent episodes of ~150 tokens make a 20 MB page that Chromium opens in about 2 s
 # The fields a record needs to be drawn (older files lack `tokens`, `prompt` and the tool counts: drawn without).
@@ -132,15 +133,14 @@ def critic_quantities(values: list | None, returns: list | None) -> dict:
 def page_data(source: str, files: list[str], limit: int, seed: int = 0) -> dict:
     """The page's JSON: the source, the counts, every update's summary and the episodes shown: all of them, or
     beyond `limit` a random sample of `limit` (seeded: the same each time), in update order. The files are read one
-    record at a time, and only the episodes shown are kept whole."""
-    total = 0
-    for path in files:
-        with open(path, encoding="utf-8") as file:
-            total += sum(1 for _ in file)
+    record at a time, and only the episodes shown are kept whole; of an update written twice, only its last copy
+    (`kept_lines`)."""
+    kept = {path: kept_lines(path) for path in files}
+    total = sum(len(lines) for path in files for lines in kept[path])
     chosen = None if total <= limit else set(random.Random(seed).sample(range(total), limit))
     updates, shown, index = defaultdict(UpdateTotals), [], 0
     for path in files:
-        for record in iter_records(path, REQUIRED):
+        for record in iter_records(path, REQUIRED, kept[path]):
             updates[record["update"]].add(record)
             if chosen is None or index in chosen:
                 shown.append(episode_view(record))
