@@ -37,7 +37,7 @@ def release():
 
 def test_the_defaults_are_finite_and_none_lifts_a_deadline():
     config = PPOConfig(output_dir="unused", report_to="none")
-    assert (config.tool_timeout, config.environment_timeout, config.reward_timeout) == (300.0, 300.0, 600.0)
+    assert (config.tool_timeout, config.environment_timeout, config.reward_timeout) == (300.0, 300.0, 300.0)
     assert config.user_call_retries == 2
     lifted = PPOConfig(output_dir="unused", report_to="none", reward_timeout=None, environment_timeout=None)
     assert Deadlines.from_config(lifted).reward is None
@@ -179,14 +179,14 @@ def test_an_environment_that_hangs_is_retried_on_a_new_instance_then_named(relea
         environment_reward(environment, QUICK)
 
 
-def test_closes_that_hang_are_abandoned_side_by_side_under_one_deadline(release, caplog):
+def test_closes_that_hang_are_stopped_side_by_side_under_one_deadline(release, caplog):
     Hangs.release = release
     take_counts()
     start = time.perf_counter()
     with caplog.at_level(logging.WARNING):
         close_environments([Hangs(), Hangs(), Hangs()], 0.3)
     assert time.perf_counter() - start < 0.8  # one deadline for the batch, not one per environment
-    assert caplog.text.count("`Hangs.close()` did not return within 0.3 s (abandoned") == 3
+    assert caplog.text.count("`Hangs.close()` did not return within 0.3 s (stopped") == 3
     assert take_counts() == (3, 0)
 
 
@@ -297,17 +297,47 @@ def test_an_environment_that_hangs_when_the_trainer_lists_its_tools_is_named(mak
     assert time.perf_counter() - start < 10
 
 
-@pytest.mark.parametrize("ending", [SystemExit(3), KeyboardInterrupt()])
-def test_a_reward_function_ending_its_thread_is_named(ending):
+def test_a_reward_function_calling_sys_exit_is_named():
     """The probe's `reward_sys_exit`: `sys.exit(3)` in a reward function ended the run with status 3 and no
-    message (and under several processes would leave the others waiting); `KeyboardInterrupt` raised by it
-    showed as a Ctrl-C."""
+    message (and under several processes would leave the others waiting)."""
+
+    def quits(prompts, completions):
+        raise SystemExit(3)
+
+    with pytest.raises(UserCallError, match=r"Reward function 'quits' raised SystemExit\(3\).*the run stops"):
+        reward_function_scores(quits, "quits", ["p"], ["c"], {}, "cpu", QUICK)
+
+
+def test_a_ctrl_c_during_a_reward_function_is_a_ctrl_c():
+    """A sync reward function runs in the main thread, where a real Ctrl-C lands: it stops the run as
+    `KeyboardInterrupt`, as it would without a deadline, not as the function's error."""
+
+    def judge(prompts, completions):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        reward_function_scores(judge, "judge", ["p"], ["c"], {}, "cpu", QUICK)
+
+
+@pytest.mark.parametrize("ending", [SystemExit(3), KeyboardInterrupt()])
+def test_a_reward_function_ending_its_thread_off_the_main_thread_is_named(ending):
+    """Off the main thread (a `train()` started in a thread of the user's) a reward function runs in a thread of its
+    own, and what ends that thread is named, not lost."""
+    outcome = []
 
     def quits(prompts, completions):
         raise ending
 
-    with pytest.raises(UserCallError, match=rf"Reward function 'quits' raised {type(ending).__name__}.*the run stops"):
-        reward_function_scores(quits, "quits", ["p"], ["c"], {}, "cpu", QUICK)
+    def score():
+        try:
+            reward_function_scores(quits, "quits", ["p"], ["c"], {}, "cpu", QUICK)
+        except UserCallError as error:
+            outcome.append(str(error))
+
+    caller = threading.Thread(target=score)
+    caller.start()
+    caller.join(10)
+    assert len(outcome) == 1 and f"Reward function 'quits' raised {type(ending).__name__}" in outcome[0]
 
 
 def test_trl_ppo_names_a_reward_function_that_never_answers_in_one_line(tmp_path):

@@ -4,12 +4,14 @@ the number of processes is known (`compute_batch_sizes`)."""
 from __future__ import annotations
 
 import math
+import os
 
 from transformers.utils import logging
 
 from .agents.templates import SHIPPED
 from .config import OnPolicyConfig, PPOConfig
 from .config_fields import check_fields
+from .deadlines import Deadlines
 from .estimators import CRITIC_FREE, ESTIMATORS, SCALE_REWARDS, uses_critic
 from .kl import KL_ESTIMATORS
 from .losses import LOSS_AGG_MODES
@@ -163,8 +165,34 @@ def validate_config(args: OnPolicyConfig) -> None:
     if args.learning_rate == 0:
         logger.warning("`learning_rate` is 0: the policy and value function will not change.")
     check_trainer_features(args)
+    check_deadlines_fit_process_group(args, int(os.environ.get("WORLD_SIZE", "1")))
     if isinstance(args, PPOConfig):
         _validate_ppo_config(args)
+
+
+# torch's shortest default collective timeout (NCCL's), the limit where `ddp_timeout` is None
+DEFAULT_COLLECTIVE_TIMEOUT = 600
+
+
+def check_deadlines_fit_process_group(args, world_size: int) -> None:
+    """In a run of several processes, a retried call into user code must end (in `UserCallError` on every process)
+    before the others, waiting in the next collective, hit `ddp_timeout` and die without saying why."""
+    if world_size < 2:
+        return
+    deadlines = Deadlines.from_config(args)
+    limit = getattr(args, "ddp_timeout", None) or DEFAULT_COLLECTIVE_TIMEOUT
+    which = f"{limit:g} s" if getattr(args, "ddp_timeout", None) else f"{limit:g} s, torch's default where it is None"
+    for setting, seconds in (("reward_timeout", deadlines.reward), ("environment_timeout", deadlines.environment)):
+        bound = deadlines.call_bound(seconds)
+        if bound is None or bound < limit:  # None: no limit, the user's choice (a hang then hangs every process)
+            continue
+        fail(
+            f"`{setting}` with `user_call_retries` lets one call take {bound:g} s ({deadlines.retries + 1} tries of "
+            f"{seconds:g} s, and the backoff), not less than `ddp_timeout` "
+            f"({which}) in this run of {world_size} processes: the others would die waiting for it in a collective "
+            f"instead of stopping with the error that names it. Lower `{setting}` or `user_call_retries`, or raise "
+            "`ddp_timeout`."
+        )
 
 
 # `TrainingArguments` fields for features of `Trainer.train()` that PPO's own loop does not run: (field, its value

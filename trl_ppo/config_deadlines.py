@@ -21,7 +21,8 @@ class DeadlineConfig:
             "answered as an error (counted in `env/tool_timeouts`), and the episode goes on. The default, 300, is "
             "far above what an interactive tool (a search, a sandboxed code run) takes, so only a hung call meets "
             "it, and it costs at most that per turn. Without a limit, a tool that never returns hangs the run. A "
-            "sync tool cannot be stopped from outside: its thread runs on until the call returns."
+            "sync tool runs in a thread of its own, stopped at the deadline at its next Python instruction; one "
+            "blocked in C (a sleep, a socket) ends when that returns, and no healthy call waits for it."
         },
     )
     environment_timeout: float | None = field(
@@ -36,12 +37,14 @@ class DeadlineConfig:
         },
     )
     reward_timeout: float | None = field(
-        default=600.0,
+        default=300.0,
         metadata={
             "help": "Seconds a reward function may take to score one process's batch (None: no limit). Counted in "
-            "`calls/timeouts`; sync or async. It is then retried (`user_call_retries`) and at last the run stops "
-            "with an error naming it, the update not applied. The default, 600, leaves room for an LLM judge over "
-            "HTTP scoring a large batch."
+            "`calls/timeouts`; sync or async. A sync function runs in the main thread and is interrupted there at "
+            "the deadline (`signal` and math_verify's timeout work in it); it is then retried (`user_call_retries`) "
+            "and at last the run stops with an error naming it, the update not applied. The default, 300, leaves "
+            "room for an LLM judge over HTTP scoring a large batch, and with its retries (3 x 300 s + 3 s) stays "
+            "within `ddp_timeout` (1800 s), as a run of several processes requires."
         },
     )
     user_call_retries: int = field(

@@ -1,15 +1,19 @@
 """Deadlines on the calls a run makes into user code, tools aside (`agents/execution.py` bounds those): reward
 functions (`reward_timeout`) and environments' `reset`, `get_reward` and `close` (`environment_timeout`).
 
-A call with a deadline runs in a thread of its own, and the coroutine an `async` function returns is awaited on the
-run's event loop (`async_loop`). At the deadline a coroutine is cancelled. A sync function cannot be stopped from
-outside in Python: its thread is abandoned and runs on until the call returns (a daemon thread: it does not keep
-the process alive at exit). The thread carries the caller's torch settings that are per thread (grad mode,
-autocast, the current CUDA device). Without a deadline (None) a call is made in the caller's thread, as before.
+One call made from the main thread (a reward function, a `reset`, a `get_reward`) runs in the main thread, as it
+would without a deadline, and is interrupted there at its deadline (`interrupts.call_in_main_thread`): `signal`
+(math_verify's timeout), thread-unsafe libraries and the CUDA device work, and a call past its deadline is stopped,
+not left running beside its retry. Several calls at once (a batch's `close`), or calls made from another thread, run
+each in a daemon thread of its own that carries the caller's per-thread torch settings (grad mode, autocast, the
+CUDA device), stopped at the deadline as far as Python can (`interrupts.Started`). The coroutine an `async`
+function returns is awaited on the run's event loop (`async_loop`) and cancelled at the deadline. Without a deadline
+(None) a call is made in the caller's thread, as before.
 
 `Deadlines.call` retries a call that passed its deadline or raised a transient error (`is_transient`), then raises
 `UserCallError` naming the function. This process's timeouts and retries are counted for the metrics
-`calls/timeouts` and `calls/retries` (`take_counts`).
+`calls/timeouts` and `calls/retries` (`take_counts`). `call_bound` is the longest a call with its retries may take,
+which `config_checks` keeps under `ddp_timeout` in a run of several processes.
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ from transformers.utils import logging
 
 from . import async_loop
 from .config_deadlines import DeadlineConfig
+from .interrupts import TIMED_OUT, Failed, Started, call_in_main_thread, can_interrupt_here
 
 logger = logging.get_logger(__name__)
 
-TIMED_OUT = object()  # the outcome of a call still running at its deadline
 # The class names (of an exception or one of its bases) of transient errors, by their endings: besides the built-in
 # `TimeoutError` and `ConnectionError`, those of HTTP clients (requests' `Timeout` and `ConnectionError`, httpx's
 # `TimeoutException`, `ConnectError` and `NetworkError`, aiohttp's `ClientConnectionError` and `ServerTimeoutError`,
@@ -50,13 +54,6 @@ class UserCallError(RuntimeError):
     """A reward function, `get_reward` or `reset` failed on every try (its deadline passed, or it raised a transient
     error), called `sys.exit()` or raised `KeyboardInterrupt` in its thread, or failed on another process: the run
     stops."""
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The outcome of a call that raised `error`."""
-
-    error: BaseException
 
 
 def is_transient(error: BaseException) -> bool:
@@ -85,9 +82,11 @@ def call_all_within(functions: Sequence[Callable[[], object]], seconds: float | 
     after the other in this thread, without a limit."""
     if seconds is None:
         return [_call_here(function) for function in functions]
-    deadline, settings = time.monotonic() + seconds, _torch_settings()
-    running = [_Running(function, settings) for function in functions]
-    outcomes = [call.outcome(_left(deadline)) for call in running]
+    deadline = time.monotonic() + seconds
+    if len(functions) == 1 and can_interrupt_here():
+        outcomes = [call_in_main_thread(functions[0], seconds)]
+    else:
+        outcomes = _in_threads(functions, deadline)
     pending = [i for i, outcome in enumerate(outcomes) if inspect.isawaitable(outcome)]
     if pending:
         for i, outcome in zip(pending, _await_within([outcomes[i] for i in pending], deadline)):
@@ -127,25 +126,24 @@ def _torch_settings() -> Callable[[], contextlib.AbstractContextManager]:
     return settings
 
 
-class _Running:
-    """One call, started in a daemon thread of its own."""
+def _in_threads(functions: Sequence[Callable[[], object]], deadline: float) -> list:
+    """Each call in a daemon thread of its own with this thread's torch settings; those still running at `deadline`
+    are stopped as far as Python can (`Started.stop`) and answered `TIMED_OUT`."""
+    settings = _torch_settings()
 
-    def __init__(self, function: Callable[[], object], settings) -> None:
-        self._done, self._outcome = threading.Event(), None
+    def with_settings(function):
+        def call():
+            with settings():
+                return function()
 
-        def run() -> None:
-            try:
-                with settings():
-                    self._outcome = function()
-            except BaseException as error:  # handed to the caller, who decides
-                self._outcome = Failed(error)
-            finally:
-                self._done.set()
+        return call
 
-        threading.Thread(target=run, name="trl_ppo-user-call", daemon=True).start()
-
-    def outcome(self, seconds: float):
-        return self._outcome if self._done.wait(seconds) else TIMED_OUT
+    running = [Started(with_settings(function)) for function in functions]
+    outcomes = [call.wait(_left(deadline)) for call in running]
+    for call, outcome in zip(running, outcomes):
+        if outcome is TIMED_OUT:
+            call.stop()
+    return outcomes
 
 
 def _await_within(awaitables: list, deadline: float) -> list:
@@ -199,6 +197,12 @@ class Deadlines:
         value = functools.partial(_setting, args)
         return cls(value("reward_timeout"), value("environment_timeout"), value("user_call_retries"),
                    value("user_call_backoff"))  # fmt: skip
+
+    def call_bound(self, seconds: float | None) -> float | None:
+        """The longest a retried call with deadline `seconds` may take: every try, and the waits between them."""
+        if seconds is None:
+            return None
+        return (self.retries + 1) * seconds + self.backoff * (2**self.retries - 1)
 
     def call(self, function: Callable[[], object], name: str, seconds: float | None, setting: str):
         """`function()` (awaited when it returns a coroutine) within `seconds` -> its result. A call that passes

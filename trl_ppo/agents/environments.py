@@ -103,7 +103,7 @@ def close_environments(environments: list, seconds: float | None = None) -> None
     outcomes = call_all_within([environment.close for environment in closing], seconds)
     for environment, outcome in zip(closing, outcomes):
         if isinstance(outcome, Failed) or outcome is TIMED_OUT:
-            abandoned = " (abandoned: a sync one runs on in its thread)" if outcome is TIMED_OUT else ""
+            abandoned = " (stopped: a sync one blocked in C runs on in its thread)" if outcome is TIMED_OUT else ""
             logger.warning(f"`{type(environment).__name__}.close()` {describe(outcome, seconds)}{abandoned}")
 
 

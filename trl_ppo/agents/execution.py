@@ -3,8 +3,10 @@ arguments that do not fit its signature, markup that could not be parsed, a tool
 answer within `timeout` seconds give the model an error message (and are counted); the run goes on.
 
 The calls of a batch run concurrently: the `async` tools on the run's one event loop (`async_loop`: what a tool
-made on it at one turn still works at the next), the sync tools in a bounded thread pool, the sync calls of one
-episode in the order written (each may depend on the one before), those of different episodes side by side.
+made on it at one turn still works at the next), each sync call in a daemon thread of its own (`TOOL_WORKERS` at
+once), the sync calls of one episode in the order written (each may depend on the one before), those of different
+episodes side by side. A sync call past its timeout is stopped at its next Python instruction
+(`interrupts.Started.stop`) and gives its place up at once: however many calls hang, a healthy one starts at once.
 
 A tool may return `(text, reward)`: the reward is that turn's (it lands on the model's last token of the turn,
 `ppo.per_turn_token_rewards`)."""
@@ -22,12 +24,15 @@ from transformers.utils import logging
 
 from .. import async_loop
 from ..deadlines import LOOP_GRACE
+from ..interrupts import TIMED_OUT as _TIMED_OUT
+from ..interrupts import Failed, Started
 from ..rewards import MAX_ABS_SCORE
 from .tools import Tool
 
 logger = logging.get_logger(__name__)
 UNPARSED = object()  # the arguments of a call whose markup could not be parsed
-_TIMED_OUT = object()
+# Sync tool calls running at once (over all episodes of a process), besides those stopped at their timeout.
+TOOL_WORKERS = 16
 _FAILED_TOOLS: set[str] = set()  # tools whose first failure this process has shown
 
 
@@ -60,7 +65,7 @@ def execute_calls(
     calls: list[list[ToolCall]], toolboxes: list[dict[str, Tool]], timeout: float | None = None
 ) -> list[list[ToolResult]]:
     """The result of each call of each episode (`calls[i]` against `toolboxes[i]`), in the same order; a call
-    still running after `timeout` seconds (None: no limit) is abandoned and answered as an error."""
+    still running after `timeout` seconds (None: no limit) is stopped and answered as an error."""
     results: list[list[ToolResult | None]] = [[None] * len(episode) for episode in calls]
     jobs = []
     for i, (episode_calls, tools) in enumerate(zip(calls, toolboxes)):
@@ -102,21 +107,36 @@ async def _async_call(results: list, j: int, name: str, bound, timeout: float | 
 
 
 async def _sync_calls(results: list, in_order: list, timeout: float | None) -> None:
-    loop = asyncio.get_running_loop()
+    places = _places()
     for j, name, bound in in_order:
-        started = asyncio.Event()
-
-        def job(bound=bound, started=started):
-            loop.call_soon_threadsafe(started.set)
-            return bound()
-
-        future = loop.run_in_executor(async_loop.tool_pool(), job)
-        # The clock starts with the call; waiting for a free thread (all busy with abandoned calls) is bounded too.
-        waited = await _within(asyncio.ensure_future(started.wait()), timeout)
-        returned = _TIMED_OUT if waited is _TIMED_OUT else await _within(future, timeout)
+        # The clock starts with the call; waiting for a place (all taken by running calls) is bounded too.
+        placed = await _within(asyncio.ensure_future(places.acquire()), timeout)
+        if placed is _TIMED_OUT:
+            results[j] = _as_result(name, _TIMED_OUT, timeout)
+            continue
+        loop, answered = asyncio.get_running_loop(), asyncio.Event()
+        wake = lambda answered=answered: loop.call_soon_threadsafe(answered.set)  # noqa: E731  (this call's event)
+        call = Started(bound, name=f"trl_ppo-tool-{name}", on_done=wake)
+        try:
+            waited = await _within(asyncio.ensure_future(answered.wait()), timeout)
+        finally:
+            places.release()  # at the timeout too: a hung call holds no place
+        returned = _TIMED_OUT if waited is _TIMED_OUT else call.wait(0)
         if returned is _TIMED_OUT:
-            future.cancel()  # a call not started yet never runs
-        results[j] = _as_result(name, returned, timeout)
+            call.stop()
+        results[j] = _as_result(name, returned.error if isinstance(returned, Failed) else returned, timeout)
+
+
+_places_by_loop: dict = {}
+
+
+def _places() -> asyncio.Semaphore:
+    """The run loop's semaphore of `TOOL_WORKERS` places for running sync calls."""
+    loop = asyncio.get_running_loop()
+    if loop not in _places_by_loop:
+        _places_by_loop.clear()  # a new run loop (the old one closed): its semaphore is gone with it
+        _places_by_loop[loop] = asyncio.Semaphore(TOOL_WORKERS)
+    return _places_by_loop[loop]
 
 
 async def _within(future: asyncio.Future, timeout: float | None):
@@ -146,7 +166,7 @@ def _bind(call: ToolCall, tools: dict[str, Tool]):
 
 def _as_result(name: str, returned, timeout: float | None = None) -> ToolResult:
     if returned is _TIMED_OUT:
-        message = f"Error: {name} did not answer within {timeout:g} s; the call was abandoned."
+        message = f"Error: {name} did not answer within {timeout:g} s; the call was stopped."
         return ToolResult(name, message, error=True, timed_out=True)
     if isinstance(returned, BaseException):
         warn_first_failure(name, returned)
