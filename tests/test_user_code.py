@@ -185,3 +185,21 @@ def test_a_hung_tool_running_python_is_gone_after_its_deadline():
     while time.monotonic() < deadline and [t for t in threading.enumerate() if t.name == "trl_ppo-tool-spin"]:
         time.sleep(0.02)
     assert not [t for t in threading.enumerate() if t.name == "trl_ppo-tool-spin"]
+
+
+def test_deadlines_are_checked_against_ddp_timeout_in_a_run_of_several_processes():
+    from trl_ppo.config_checks import check_deadlines_fit_process_group as check
+
+    defaults = PPOConfig(output_dir="unused", report_to="none")
+    check(defaults, environments=True, world_size=2)  # 3 x 300 s + 1 s + 2 s = 903 s < 1800 s
+    old_default = PPOConfig(output_dir="unused", report_to="none", reward_timeout=600.0)
+    check(old_default, environments=False, world_size=1)  # one process: no collective to wait in
+    with pytest.raises(ValueError, match=r"`reward_timeout` with `user_call_retries` lets one call take 1803 s \(3 "
+                                         r"tries of 600 s, and the backoff\), not less than `ddp_timeout` \(1800 s\)"):
+        check(old_default, environments=False, world_size=2)
+    slow_environments = PPOConfig(output_dir="unused", report_to="none", environment_timeout=1000.0)
+    check(slow_environments, environments=False, world_size=2)  # no environments: their deadline bounds nothing
+    with pytest.raises(ValueError, match="`environment_timeout` with `user_call_retries` lets one call take 3003 s"):
+        check(slow_environments, environments=True, world_size=2)
+    unbounded = PPOConfig(output_dir="unused", report_to="none", reward_timeout=None, ddp_timeout=60)
+    check(unbounded, environments=False, world_size=2)  # None: no limit, the user's choice

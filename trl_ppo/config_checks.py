@@ -165,7 +165,6 @@ def validate_config(args: OnPolicyConfig) -> None:
     if args.learning_rate == 0:
         logger.warning("`learning_rate` is 0: the policy and value function will not change.")
     check_trainer_features(args)
-    check_deadlines_fit_process_group(args, int(os.environ.get("WORLD_SIZE", "1")))
     if isinstance(args, PPOConfig):
         _validate_ppo_config(args)
 
@@ -174,15 +173,18 @@ def validate_config(args: OnPolicyConfig) -> None:
 DEFAULT_COLLECTIVE_TIMEOUT = 600
 
 
-def check_deadlines_fit_process_group(args, world_size: int) -> None:
-    """In a run of several processes, a retried call into user code must end (in `UserCallError` on every process)
-    before the others, waiting in the next collective, hit `ddp_timeout` and die without saying why."""
+def check_deadlines_fit_process_group(args, environments: bool, world_size: int | None = None) -> None:
+    """In a run of several processes (`world_size`, by default `WORLD_SIZE`), a retried call into user code must end
+    (in `UserCallError` on every process) before the others, waiting in the next collective, hit `ddp_timeout` and
+    die without saying why: reward functions always, environments' `reset` / `get_reward` with `environments`."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     if world_size < 2:
         return
     deadlines = Deadlines.from_config(args)
     limit = getattr(args, "ddp_timeout", None) or DEFAULT_COLLECTIVE_TIMEOUT
     which = f"{limit:g} s" if getattr(args, "ddp_timeout", None) else f"{limit:g} s, torch's default where it is None"
-    for setting, seconds in (("reward_timeout", deadlines.reward), ("environment_timeout", deadlines.environment)):
+    bounded = [("reward_timeout", deadlines.reward)] + [("environment_timeout", deadlines.environment)] * environments
+    for setting, seconds in bounded:
         bound = deadlines.call_bound(seconds)
         if bound is None or bound < limit:  # None: no limit, the user's choice (a hang then hangs every process)
             continue

@@ -12,7 +12,7 @@ from transformers.utils import logging
 
 from . import checkpoint as ckpt
 from .config import OnPolicyConfig
-from .config_checks import validate_config
+from .config_checks import check_deadlines_fit_process_group, validate_config
 from .data import check_datasets, prepare_prompts, require_pad_token
 from .estimators import uses_critic
 from .models import (
@@ -90,6 +90,7 @@ def validate_inputs(args, tokenizer, reward_model, reward_processing_class, envi
             f"{len(tokenizer) - 1}): no response could ever stop. Use an id the tokenizer has."
         )
     environments = environment_factory is not None
+    check_deadlines_fit_process_group(args, environments)
     return build_rewards(reward_model, args.reward_weights, reward_processing_class, environments)
 
 
