@@ -1,11 +1,13 @@
 """`advantage_estimator` and `num_generations` in the trainer: refused settings before any compute, whole groups on
 every process, critic-free runs that build no value function, and the default unchanged."""
 
+import math
+
 import pytest
 import torch
 from conftest import build_trainer, needs_tool_parsing
 
-from trl_ppo import PPOConfig, PPOTrainer, estimators, trajectories
+from trl_ppo import PPOConfig, PPOTrainer, trajectories
 from trl_ppo.config_checks import validate_config
 from trl_ppo.data import SharedOrderBatchSampler
 from trl_ppo.value_head import AutoModelForCausalLMWithValueHead, is_value_head_model
@@ -62,6 +64,17 @@ def test_the_sampler_gives_each_process_whole_groups_of_distinct_prompts():
     assert plain == [order[4:8]]
 
 
+def half_flat(seen):
+    """Each call's (update's) first group of 4 scored alike, its second 0, 1, 2, 3: one group of two without
+    signal, `objective/frac_reward_zero_std` 1/2 exactly."""
+
+    def reward(prompts, completions, **columns):
+        seen.append(prompts)
+        return [1.0] * 4 + [0.0, 1.0, 2.0, 3.0]
+
+    return reward
+
+
 def grouped_prompts(seen):
     def reward(prompts, completions, **columns):
         seen.append(prompts)
@@ -79,8 +92,7 @@ def test_a_critic_free_run_builds_no_value_function_and_logs_no_value_metrics(
 ):
     seen = []
     config = make_config(advantage_estimator=estimator, num_generations=4, stop_token="eos")
-    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, reward=grouped_prompts(seen),
-                            value_model=None)  # fmt: skip
+    trainer = build_trainer(config, tokenizer, load_models, prompt_dataset, reward=half_flat(seen), value_model=None)
     wrapper = trainer.accelerator.unwrap_model(trainer.model)
     assert wrapper.value_model is None and not is_value_head_model(wrapper.policy)
     assert not any("v_head" in name or name.startswith("value_model") for name, _ in wrapper.named_parameters())
@@ -91,7 +103,7 @@ def test_a_critic_free_run_builds_no_value_function_and_logs_no_value_metrics(
     assert len(logs) == 2
     for entry in logs:
         assert not any(key.startswith(("loss/value", "val/clipfrac", "val/vpred")) for key in entry)
-        assert 0.0 <= entry["objective/frac_reward_zero_std"] <= 1.0 and "loss/policy_avg" in entry
+        assert entry["objective/frac_reward_zero_std"] == 0.5 and "loss/policy_avg" in entry  # 1 flat group of 2
     assert trainer.state.epoch == pytest.approx(16 / (64 * 4))  # 4 prompts of 64 per update, 2 updates
     assert any(not torch.equal(p, before[name]) for name, p in wrapper.named_parameters())
 
@@ -127,17 +139,26 @@ def test_multi_turn_grpo_credits_each_episode_once_on_its_model_tokens(make_conf
                             kl_coef=0.0, kl_loss_coef=0.01, trajectory_dir=str(folder), response_length=160)
     trainer.train()
     updates = trajectories.read_updates(trajectories.trajectory_file(str(folder), 0))
-    tools = 0
+    tools, signals = 0, 0
     for records in updates.values():
         again = trajectories.recompute(records)
         assert torch.equal(again.advantages.advantages, again.logged_advantages)
         assert again.value_loss is None and records[0]["values"] is None
-        for record in records:
-            flags, advantages = record["model_mask"], record["advantages"]
-            tools += flags.count(0)
-            assert all(a == 0 for a, f in zip(advantages, flags) if not f)
-            assert len({a for a, f in zip(advantages, flags) if f}) == 1  # one number over all its model turns
-    assert tools > 0  # some episodes did call the tool
+        records = sorted(records, key=lambda record: record["episode"])
+        for pair in zip(records[::2], records[1::2]):  # the groups of 2, in order
+            (r1, r2) = [record["score"] for record in pair]
+            assert all(record["shaped_score"] == record["score"] and not any(record["turn_rewards"]) for record in pair)
+            # GRPO by hand on a pair: mean (r1 + r2) / 2, Bessel's std |r1 - r2| / sqrt(2), so
+            # A1 = ((r1 - r2) / 2) / (|r1 - r2| / sqrt(2) + 1e-4) = -A2 (about +-0.707); 0 for a flat pair
+            first = 0.0 if r1 == r2 else (r1 - r2) / 2 / (abs(r1 - r2) / math.sqrt(2) + 1e-4)
+            signals += r1 != r2
+            for record, expected in zip(pair, (first, -first)):
+                flags, advantages = record["model_mask"], record["advantages"]
+                tools += flags.count(0)
+                assert all(a == 0 for a, f in zip(advantages, flags) if not f)
+                model_turns = [a for a, f in zip(advantages, flags) if f]  # one number over all its model turns
+                assert model_turns == pytest.approx([expected] * len(model_turns), rel=1e-5, abs=1e-7)
+    assert tools > 0 and signals > 0  # some episodes did call the tool; some pairs differed
 
 
 def test_step_reads_runs_of_num_generations_episodes_as_groups(make_config, tokenizer, load_models):
@@ -150,8 +171,10 @@ def test_step_reads_runs_of_num_generations_episodes_as_groups(make_config, toke
     scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     update = trainer.update_on_episodes(queries, responses, scores)
     first = update.advantages.advantages[:, 0]
-    torch.testing.assert_close(first, estimators.grpo_advantages(scores, torch.ones(8, dtype=torch.bool), 4))
-    assert torch.equal(first[4:], torch.zeros(4)) and first[0] > 0 > first[1]
+    # By hand: group 1 has mean 1/4 and Bessel's std sqrt((0.75^2 + 3 * 0.25^2) / 3) = sqrt(0.25) = 0.5, so
+    # (0.75, -0.25, -0.25, -0.25) / (0.5 + 1e-4); group 2 is flat: exactly 0.
+    torch.testing.assert_close(first, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0]) / 0.5001)
+    assert torch.equal(first[4:], torch.zeros(4))
     assert update.rollout.values is None and update.advantages.returns is None
     assert update.metrics["objective/frac_reward_zero_std"] == 0.5
 

@@ -4,6 +4,7 @@ loaded, a training run of each kind and the benchmark's row. SmolLM2 itself is t
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -65,26 +66,111 @@ def small_run(tiny_chatml, tmp_path, *extra):
             "--max_turns", "2", *extra]
 
 
+QUESTION = re.compile(r"What is \((\d+) \* (\d+)\) \+ (\d+)\?")
+# The first 2 held-out problems and their answers by hand: (17 * 49) + 812 = 833 + 812, (31 * 72) + 478 = 2232 + 478.
+HELD_OUT_ANSWERS = {(17, 49, 812): 1645, (31, 72, 478): 2710}
+
+
+def question_in(tokenizer, context: list[int]) -> tuple[int, int, int]:
+    return tuple(map(int, QUESTION.search(tokenizer.decode(context)).groups()))
+
+
+def final_turn(tokenizer, value: int, max_new_tokens: int) -> list[int]:
+    return tokenizer.encode(f"The answer is {value}.<|im_end|>", add_special_tokens=False)[:max_new_tokens]
+
+
+def differs_from(folder: str):
+    """-> whether a model's weights are no longer those saved in `folder` (read when asked: made by the run)."""
+
+    def differs(model) -> bool:
+        from transformers import AutoModelForCausalLM
+
+        saved = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        return any(not torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+
+    return differs
+
+
+def script_evaluation(monkeypatch, tokenizer, trained, played):
+    """Evaluation turns by a script: the held-out problem's answer (by hand) when `trained(model)`, else 0; each
+    episode's (problem, trained) is appended to `played`. The reported success then says which model each
+    evaluation played. (The tiny model's own greedy turns are played by the floor's test.)"""
+
+    def evaluation(model, rendering, temperature, batch_size):
+        is_trained = trained(model)
+
+        def sample_turn(contexts, max_new_tokens):
+            problems = [question_in(tokenizer, context) for context in contexts]
+            played.extend((problem, is_trained) for problem in problems)
+            return [final_turn(tokenizer, HELD_OUT_ANSWERS[p] if is_trained else 0, max_new_tokens) for p in problems]
+
+        return sample_turn
+
+    monkeypatch.setattr(agent.task.agent_task, "model_sampler", evaluation)
+
+
+def script_training(monkeypatch, tokenizer):
+    """trl_ppo's training turns by a script, every other episode answering right: the tiny model never does, so
+    every reward would be 0 and an update would leave the weights as they were; each group of 2 now has a reward of
+    1 and one of 0, a gradient."""
+    from trl_ppo.agents import runner
+
+    def training(models, sampling):
+        def sample_turn(contexts, max_new_tokens):
+            problems = [question_in(tokenizer, context) for context in contexts]
+            return [final_turn(tokenizer, (a * b + c) * (i % 2 == 0), max_new_tokens)
+                    for i, (a, b, c) in enumerate(problems)]
+
+        return sample_turn
+
+    monkeypatch.setattr(runner, "turn_sampler", training)
+
+
 @pytest.mark.parametrize("estimator", ["gae", pytest.param("grpo", marks=pytest.mark.slow)])
-def test_the_demo_warm_starts_trains_and_evaluates(estimator, tiny_chatml, tmp_path, capsys):
+def test_the_demo_warm_starts_trains_and_evaluates(estimator, tiny_chatml, tmp_path, capsys, monkeypatch):
+    from transformers import AutoTokenizer
+
+    played, tokenizer = [], AutoTokenizer.from_pretrained(tiny_chatml)
+    script_training(monkeypatch, tokenizer)
+    script_evaluation(monkeypatch, tokenizer, differs_from(str(tmp_path / "warm")), played)
     result = agent.main(small_run(tiny_chatml, tmp_path, "--estimator", estimator, "--output_dir",
                                   str(tmp_path / "run")))
     assert os.path.isfile(tmp_path / "warm" / "warm_start_done.txt")  # made once, then cached
+    # the held-out problems played by the warm start (answered 0: success 0), then by the trained policy (answered
+    # right: success 1)
+    assert played == [(problem, trained) for trained in (False, True) for problem in HELD_OUT_ANSWERS]
+    assert (result["before"]["success"], result["after"]["success"]) == (0.0, 1.0)
+    assert result["after"]["calls_per_episode"] == 0.0  # the script answers without a call
     out = capsys.readouterr().out
-    assert "Held-out success" in out and f"[{estimator}: 1 updates of 4 episodes" in out
-    for when in ("before", "after"):
-        assert 0.0 <= result[when]["success"] <= 1.0 and "calls_per_episode" in result[when]
+    assert "Held-out success 0.00 -> 1.00" in out and f"[{estimator}: 1 updates of 4 episodes" in out
 
 
 def test_the_floor_is_the_model_without_tools_one_turn_on_its_own_template(tiny_chatml, tmp_path, capsys, monkeypatch):
-    seen = []
-    play = agent.task.agent_task.evaluate_prompts
+    seen, floor_turns = [], []
+    play, sampler = agent.task.agent_task.evaluate_prompts, agent.task.agent_task.model_sampler
     monkeypatch.setattr(agent.task.agent_task, "evaluate_prompts", lambda *a, **k: seen.append(a) or play(*a, **k))
+
+    def floor_scripted(model, tokenizer, temperature, batch_size):
+        """The floor's turns (the first evaluation's) scripted, the first problem answered right and the second not;
+        the warm start's evaluation then plays the tiny model's own greedy turns."""
+        if seen[1:]:
+            return sampler(model, tokenizer, temperature, batch_size)
+
+        def sample_turn(contexts, max_new_tokens):
+            floor_turns.append([question_in(tokenizer, context) for context in contexts])
+            return [final_turn(tokenizer, HELD_OUT_ANSWERS[p] if i == 0 else 0, max_new_tokens)
+                    for i, p in enumerate(floor_turns[-1])]
+
+        return sample_turn
+
+    monkeypatch.setattr(agent.task.agent_task, "model_sampler", floor_scripted)
     result = agent.main(small_run(tiny_chatml, tmp_path, "--floor", "--updates", "0"))
-    assert set(result) == {"floor", "before"} and 0.0 <= result["floor"]["success"] <= 1.0
-    assert "the model without tools (the floor): held-out success" in capsys.readouterr().out
+    assert set(result) == {"floor", "before"}
+    assert floor_turns == [list(HELD_OUT_ANSWERS)]  # one turn of both held-out problems
+    assert result["floor"]["success"] == 0.5 and result["floor"]["calls_per_episode"] == 0.0  # 1 of 2 right
+    assert "the model without tools (the floor): held-out success 0.50" in capsys.readouterr().out
     model, tokenizer, prompts, answers, tools, max_turns = seen[0][:6]  # the floor's, before the warm start's
-    assert tools is None and max_turns == 1 and len(prompts) == len(answers) == 2
+    assert tools is None and max_turns == 1 and answers == list(HELD_OUT_ANSWERS.values())
     text = tokenizer.decode(prompts[0])
     assert text.startswith("<|im_start|>user\nWhat is (") and "multiply" not in text  # its own template, no tools
     assert seen[1][4] is not None  # the warm start is then played with the tools
@@ -131,15 +217,32 @@ def test_each_trainer_clips_gradients_as_its_own_default_unless_told_and_a_chang
 
 
 @pytest.mark.slow
-def test_the_trl_cross_check_trains_from_the_same_warm_start_and_writes_a_row(tiny_chatml, tmp_path):
-    pytest.importorskip("trl")
+def test_the_trl_cross_check_trains_from_the_same_warm_start_and_writes_a_row(tiny_chatml, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    trl = pytest.importorskip("trl")
+    trained, played = [], []
+
+    class Recorded(trl.GRPOTrainer):
+        def __init__(self, *args, model, **kwargs):
+            trained.append((model, differs_from(str(tmp_path / "warm"))(model)))
+            super().__init__(*args, model=model, **kwargs)
+
+    def is_trls(model) -> bool:  # the model TRL was given, trained in place
+        return any(model is given for given, _ in trained)
+
+    monkeypatch.setattr(trl, "GRPOTrainer", Recorded)
+    script_evaluation(monkeypatch, AutoTokenizer.from_pretrained(tiny_chatml), is_trls, played)
     out = tmp_path / "rows.jsonl"
     bench.main(small_run(tiny_chatml, tmp_path, "--estimator", "trl_grpo", "--out", str(out), "--work_dir",
                          str(tmp_path / "work")))
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["estimator"] == "trl_grpo" and row["kl_coef"] == 0.0 and row["missing_eos_penalty"] is None
     assert row["max_grad_norm"] == 1.0  # TRL's (`Trainer`'s) default, passed on
-    assert len(row["training_success"]) == 1 and 0.0 <= row["after"]["success"] <= 1.0  # 4 episodes: one update
+    assert len(trained) == 1 and not trained[0][1]  # TRL was given the warm start as it was saved
+    # the warm start played before (success 0), TRL's model after (success 1)
+    assert played == [(problem, after) for after in (False, True) for problem in HELD_OUT_ANSWERS]
+    assert len(row["training_success"]) == 1 and (row["before"]["success"], row["after"]["success"]) == (0.0, 1.0)
 
 
 @pytest.mark.slow

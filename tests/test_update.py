@@ -251,3 +251,38 @@ def test_skip_zero_gradient_steps_is_refused_with_fp16_and_under_deepspeed(make_
 
     with pytest.raises(ValueError, match=r"`skip_zero_gradient_steps` cannot be used under DeepSpeed"):
         check_supported(make_config(skip_zero_gradient_steps=True), True, None, 2, False)
+
+
+def _sgd_step(make_config, tokenizer, load_models, max_grad_norm):
+    """One update (one PPO epoch of one minibatch: a single optimizer step) with plain SGD on the hand-made
+    episodes of test_step_api -> (the logged grad_norm, each trainable weight's change)."""
+    from test_step_api import hand_made_episodes
+
+    config = make_config(total_episodes=80, num_ppo_epochs=1, optim="sgd", learning_rate=0.1,
+                         max_grad_norm=max_grad_norm)  # fmt: skip
+    trainer = build_trainer(config, tokenizer, load_models)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    queries, responses, scores = hand_made_episodes(tokenizer)
+    update = trainer.update_on_episodes(queries, responses, torch.tensor(scores))
+    assert update.result.stats["grad_norm"].numel() == 1  # one step: its norm is the logged mean
+    deltas = {name: p.detach() - before[name] for name, p in model.named_parameters() if name in before}
+    return update.metrics["grad_norm"], deltas
+
+
+def _total_norm(tensors):
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.double()) for t in tensors])).item()
+
+
+def test_grad_norm_is_logged_before_a_clip_that_shrinks_the_step(make_config, tokenizer, load_models):
+    """SGD moves the weights by -lr * gradient: unclipped, the step's norm / lr is the gradient's norm, which the
+    update logs; clipped to a quarter of it, the same norm is logged and the step is the unclipped one scaled to
+    max_grad_norm."""
+    norm, free = _sgd_step(make_config, tokenizer, load_models, max_grad_norm=0.0)
+    assert norm == pytest.approx(_total_norm(free.values()) / 0.1, rel=1e-3)  # measured from the weights
+    clip = norm / 4
+    clipped_norm, clipped = _sgd_step(make_config, tokenizer, load_models, max_grad_norm=clip)
+    assert clipped_norm == pytest.approx(norm, rel=1e-5)  # the same episodes and weights: the same gradient
+    assert _total_norm(clipped.values()) / 0.1 == pytest.approx(clip, rel=1e-3)
+    for name in free:  # the same direction, a quarter of the length (clip_grad_norm_ scales by clip / (norm + 1e-6))
+        torch.testing.assert_close(clipped[name], free[name] * clip / (norm + 1e-6), rtol=1e-3, atol=1e-7, msg=name)
