@@ -1,6 +1,7 @@
 """Tools: plain functions (sync or `async def`) and the public methods of an episode's environment, each with the
 JSON schema that chat templates take (`apply_chat_template(..., tools=...)`), made by transformers' own
-`get_json_schema` from type hints and the docstring (a description, and `Args:` for every parameter)."""
+`get_json_schema` from type hints and the docstring (a description, and `Args:` for every parameter), or given by
+the function itself as its `tool_schema` attribute (a tool whose schema comes from elsewhere: an MCP server's)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def make_tool(function: Callable, where: str) -> Tool:
     if not callable(function):
         raise TypeError(f"{where}: {function!r} is not callable; tools are functions (sync or `async def`).")
     name = getattr(function, "__name__", repr(function))
+    given = getattr(function, "tool_schema", None)
+    if isinstance(given, dict) and isinstance(given.get("function"), dict) and "name" in given["function"]:
+        return Tool(given["function"]["name"], function, given)
     try:
         schema = get_json_schema(function)
     except Exception as error:  # transformers raises a few kinds (no docstring, undocumented argument, no hint)

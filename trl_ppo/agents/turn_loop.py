@@ -4,7 +4,9 @@ Each turn the model writes (the sampler is given, so the loop itself needs no mo
 and run, and the tool answers are appended as the chat template's ids (`chat.ToolChat.answer_ids`); the model's own
 tokens are kept exactly as sampled. An episode ends when a turn has no tool call, at `max_turns` turns, when a turn
 reaches the budget (`response_length` tokens after the prompt, model and tool tokens together) without its stop
-token, or when the tool answers would leave no room for another turn of the model.
+token, when the tool answers would leave no room for another turn of the model, or when the episode's environment
+says it is over (its `done` attribute is True once a turn's calls are answered: a game won or lost, a server's
+`done`).
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def _add_tool_answers(
         return
     episode.response += answer.ids
     episode.model_mask += [False] * len(answer.ids)
+    if getattr(episode.environment, "done", False) is True:  # the environment ended it: no turn after the answer
+        episode.done = True
 
 
 def episodes_rollout(episodes: list[Episode], pad_token_id: int, response_length: int, device) -> Rollout:
