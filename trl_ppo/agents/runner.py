@@ -170,8 +170,9 @@ class AgentRunner:
 
     @torch.no_grad()
     def metrics(self, rollout: Rollout, accelerator) -> dict[str, float]:
-        """`env/turns_mean`, `env/tool_calls_mean` (per episode), `env/tool_errors` (failed calls this update),
-        `env/tool_timeouts` (of those, calls abandoned after `tool_timeout` seconds),
+        """`env/turns_mean`, `env/tool_calls_mean`, `env/turn_rewards_mean` (the sum of an episode's turn rewards:
+        what its tools and environment paid along the way), per episode; `env/tool_errors` (failed calls this
+        update), `env/tool_timeouts` (of those, calls stopped at `tool_timeout` seconds),
         `env/truncated_frac` (episodes cut by the budget or `max_turns`), `env/truncated_tool_responses` and
         `val/env_token_frac` (of the tokens after the prompts, those of tools and environments), over all
         processes."""
@@ -181,6 +182,7 @@ class AgentRunner:
         counts = [
             sum(e.turns for e in episodes),
             sum(e.tool_calls for e in episodes),
+            sum(sum(e.turn_rewards) for e in episodes),
             sum(e.tool_errors for e in episodes),
             sum(e.tool_timeouts for e in episodes),
             sum(e.truncated for e in episodes),
@@ -190,10 +192,11 @@ class AgentRunner:
             float(rollout.attended_responses.sum()),
         ]
         total = accelerator.gather(torch.tensor([counts], dtype=torch.float64, device=accelerator.device)).sum(0)
-        turns, calls, errors, timeouts, truncated, cut, count, env_tokens, tokens = total.tolist()
+        turns, calls, paid, errors, timeouts, truncated, cut, count, env_tokens, tokens = total.tolist()
         return {
             "env/turns_mean": turns / max(count, 1),
             "env/tool_calls_mean": calls / max(count, 1),
+            "env/turn_rewards_mean": paid / max(count, 1),
             "env/tool_errors": errors,
             "env/tool_timeouts": timeouts,
             "env/truncated_frac": truncated / max(count, 1),
