@@ -52,3 +52,23 @@ def test_every_case_has_a_unique_name_and_a_known_kind():
     names = [case.name for case in probe.CASES]
     assert len(names) == len(set(names)) >= 25
     assert {case.kind for case in probe.CASES} <= {"reward", "tool", "environment", "files", "signals"}
+
+
+# User code that is no misbehaviour, under the default deadlines (benchmark/reliability/README.md, "User code as users
+# write it"), with the outcome it has since issue 53.
+USER_CODE_CASES = {
+    "user_math_verify": "worked",  # stopped before: math_verify refused the worker thread the reward ran in
+    "user_sqlite_cache": "worked",  # stopped before: an sqlite3 connection made at import is bound to its thread
+    "tool_signal_alarm": "finished, not worked",  # documented: a sync tool runs in a thread, where signal cannot
+}
+
+
+@pytest.mark.slow
+def test_user_code_keeps_its_outcomes(tmp_path):
+    cases = {case.name: case for case in probe.CASES}
+    expected = {name: outcome for name, outcome in USER_CODE_CASES.items()
+                if has_parsing_api(PreTrainedTokenizerBase) or cases[name].kind != "tool"}
+    results = [probe.run_case(cases[name], tmp_path) for name in expected]
+    outcomes = {result.case.name: (result.outcome, result.detail, result.last_line) for result in results}
+    assert {name: outcome[0] for name, outcome in outcomes.items()} == expected, outcomes
+    assert f"| worked | {sum(outcome == 'worked' for outcome in expected.values())} |" in probe.table(results)

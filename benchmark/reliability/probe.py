@@ -17,6 +17,11 @@ times the tries, plus a margin for the run itself. Each ends with one outcome:
 - `lost`: something the user had was lost or damaged: a checkpoint that verified before, a file of theirs in the
   output folder (`my_notes.txt`), or the final model of a run that said it finished.
 
+User code that is no misbehaviour (`probe_usercode.py`, `probe_usercode_agents.py`: an HTTP judge, `subprocess`,
+`multiprocessing`, math_verify, `SIGALRM`, ...) runs under the DEFAULT deadlines, and a run of it that finishes ends
+`worked` (every piece of evidence that the code did its work is seen) or `finished, not worked`; one that does not
+finish is classified as above.
+
 CLI cases run `trl-ppo train` on the embedded default job (tiny, CPU); agent cases (environments, tools) train a
 tiny Qwen2-shaped policy on the tool tokenizer through the Python API, with the model's turns scripted (each
 episode calls the case's tool once, then answers) so that the user code under test is reached in every episode.
@@ -28,9 +33,9 @@ episode calls the case's tool once, then answers) so that the user code under te
 One case at a time (the machine may be shared). Exit status 0 unless a case ends `hung` or `lost`.
 
 This file is the runner (the checks, `run_case`, `table`, `main`); the cases are beside it: `probe_cases.py` (the
-shared constants, `Case`, `Result`, the reward and the files and signals cases) and `probe_agents.py` (the
+shared constants, `Case`, `Result`, the reward and the files and signals cases), `probe_agents.py` (the
 environment and tool cases, their `AGENT_CODE` and `run_agent`, which the case's subprocess reaches through this
-file's hidden `--agent`).
+file's hidden `--agent`) and the user code cases (`probe_usercode.py`, `probe_usercode_agents.py`).
 """
 
 from __future__ import annotations
@@ -49,11 +54,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # probe_cases.py, probe_agents.py beside it
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the case modules beside it
 from probe_agents import AGENTS, run_agent  # noqa: E402
-from probe_cases import FILES, LAST, NOTES, OUTCOMES, REWARDS, START, Case, Result  # noqa: E402
+from probe_cases import FILES, LAST, NOTES, OUTCOMES, REWARDS, START, WORK_OUTCOMES, Case, Result  # noqa: E402
+from probe_usercode import USER_REWARDS  # noqa: E402
+from probe_usercode_agents import USER_AGENT_CODE, USER_AGENT_NAMES, USER_AGENTS  # noqa: E402
 
-CASES = REWARDS + AGENTS + FILES
+CASES = REWARDS + AGENTS + FILES + USER_REWARDS + USER_AGENTS
 
 
 # ---------------------------------------------------------------------------------------------------- the checks
@@ -160,6 +167,8 @@ def run_case(case: Case, workdir: Path) -> Result:
     has_traceback = "Traceback (most recent call last)" in text and not spec.get("api")
     if rc == 0:
         metrics = logged_metrics(output)
+        if case.works:
+            return work_result(case, seconds, line, metrics, text)
         seen = [item for item in case.evidence if metrics.get(item, 0) > 0 or (item not in metrics and item in text)]
         if "signal" in spec:  # a signal: rc 0 with the checkpoints intact is the documented ending
             return Result(case, "handled", seconds, line, f"rc 0; checkpoints {sorted(after.values())}")
@@ -177,6 +186,18 @@ def run_case(case: Case, workdir: Path) -> Result:
     return Result(case, "stopped, traceback", seconds, line, f"rc {rc}; {why}")
 
 
+def work_result(case: Case, seconds: float, line: str, metrics: dict, text: str) -> Result:
+    """A finished run of user code that is no misbehaviour: `worked` when every evidence shows (a metric logged, at
+    any value, or a text in the output) and no call said `PROBE FAILED`."""
+    missing = [item for item in case.evidence if item not in metrics and item not in text]
+    failed = [found.strip() for found in re.findall(r"PROBE FAILED[^\n]*", text)[:1]]
+    answers = [found.strip() for found in re.findall(r"TOOL ANSWER: [^\n]*", text)[:1]]
+    if not missing and not failed:
+        return Result(case, "worked", seconds, line, "seen: " + ", ".join(case.evidence))
+    detail = [*failed, *answers] + ([f"not seen: {missing}"] if missing else [])
+    return Result(case, "finished, not worked", seconds, line, "; ".join(detail))
+
+
 def table(results: list[Result]) -> str:
     rows = ["| case | kind | outcome | seconds | last line of output |", "|---|---|---|---|---|"]
     for result in results:
@@ -185,7 +206,8 @@ def table(results: list[Result]) -> str:
         rows.append(f"| {result.case.name} | {result.case.kind} | {result.outcome} | {result.seconds:.1f} | `{text}` |")
     counts = Counter(result.outcome for result in results)
     rows += ["", "| outcome | cases |", "|---|---|"]
-    rows += [f"| {outcome} | {counts[outcome]} |" for outcome in OUTCOMES]
+    shown = [outcome for outcome in WORK_OUTCOMES if counts[outcome]] + list(OUTCOMES)  # the first two when any
+    rows += [f"| {outcome} | {counts[outcome]} |" for outcome in shown]
     rows.append(f"| total | {len(results)} |")
     return "\n".join(rows)
 
@@ -199,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent", nargs=2, metavar=("CASE", "OUTPUT_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.agent:
-        run_agent(*args.agent)
+        case, output_dir = args.agent
+        run_agent(case, output_dir, USER_AGENT_CODE if case in USER_AGENT_NAMES else None)
         return 0
     if args.list:
         for case in CASES:

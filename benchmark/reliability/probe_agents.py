@@ -191,9 +191,11 @@ class env_get_reward_exits(Base):
 '''
 
 
-def run_agent(case: str, output_dir: str) -> None:
+def run_agent(case: str, output_dir: str, user_code: str | None = None) -> None:
     """The agent driver (in the case's subprocess): a tiny tool run, 2 updates of 2 episodes, with the case's tool
-    (`tool_*`) or environment (`env_*`); an exception ends the process with its one line, status 1."""
+    (`tool_*`) or environment (`env_*`); an exception ends the process with its one line, status 1. With
+    `user_code` (defined beside `AGENT_CODE`): under the default deadlines, room for longer tool answers, and the
+    first tool answer printed (`TOOL ANSWER: ...`), what the model read."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -203,7 +205,7 @@ def run_agent(case: str, output_dir: str) -> None:
     from trl_ppo.agents.tiny_chat import build_tool_tokenizer
 
     namespace: dict = {"__name__": "probe_agent"}
-    exec(compile(AGENT_CODE, "probe_agent.py", "exec"), namespace)
+    exec(compile(AGENT_CODE + (user_code or ""), "probe_agent.py", "exec"), namespace)
     tokenizer = build_tool_tokenizer()
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=2048,
@@ -215,12 +217,18 @@ def run_agent(case: str, output_dir: str) -> None:
     environment = namespace[case] if case.startswith("env_") else namespace["Base"]
     name = tool.__name__
     call = f'<tool_call>{{"name": "{name}", "arguments": {{"a": 7}}}}</tool_call><|im_end|>'
+    shown = user_code is None  # the first answer is printed for user code only
 
     def scripted(models, sampling):  # each episode: one call of the tool, then an answer
         def sample_turn(contexts, max_new_tokens):
+            nonlocal shown
             turns = []
             for context in contexts:
                 answered = "</tool_response>" in tokenizer.decode(context)
+                if answered and not shown:
+                    shown = True
+                    answer = tokenizer.decode(context).rsplit("<tool_response>", 1)[-1].split("</tool_response>")[0]
+                    print("TOOL ANSWER:", answer.strip().replace("\n", " "), flush=True)
                 text = "Done.<|im_end|>" if answered else call
                 turns.append(tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens])
             return turns
@@ -228,12 +236,17 @@ def run_agent(case: str, output_dir: str) -> None:
         return sample_turn
 
     runner.turn_sampler = scripted
-    args = PPOConfig(output_dir=output_dir, max_turns=2, response_length=200, total_episodes=4, stop_token="eos",
-                     num_ppo_epochs=1, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                     local_rollout_forward_batch_size=2, learning_rate=1e-3, num_sample_generations=0,
-                     logging_steps=1, save_strategy="steps", save_steps=1, report_to="none", seed=3,
-                     max_tool_response_length=64, tool_timeout=DEADLINE, environment_timeout=DEADLINE,
-                     reward_timeout=DEADLINE, user_call_retries=RETRIES, user_call_backoff=BACKOFF)  # fmt: skip
+    settings = dict(output_dir=output_dir, max_turns=2, response_length=200, total_episodes=4, stop_token="eos",
+                    num_ppo_epochs=1, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                    local_rollout_forward_batch_size=2, learning_rate=1e-3, num_sample_generations=0,
+                    logging_steps=1, save_strategy="steps", save_steps=1, report_to="none", seed=3,
+                    max_tool_response_length=64, tool_timeout=DEADLINE, environment_timeout=DEADLINE,
+                    reward_timeout=DEADLINE, user_call_retries=RETRIES, user_call_backoff=BACKOFF)  # fmt: skip
+    if user_code is not None:  # the default deadlines; room for an error message as the answer
+        for name in ("tool_timeout", "environment_timeout", "reward_timeout", "user_call_retries", "user_call_backoff"):
+            del settings[name]
+        settings.update(max_tool_response_length=160, response_length=400)
+    args = PPOConfig(**settings)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Echo {i}."}] for i in range(4)]})
     try:
         trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None, reward_model=[],

@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 TRL_PPO = [PYTHON, "-m", "trl_ppo"]
 OUTCOMES = ("handled", "finished, unseen", "stopped, named", "stopped, traceback", "hung", "lost")
+# For user code that is no misbehaviour (`Case.works`): the run finished and every piece of evidence that the code
+# did its work is seen, or the run finished without it.
+WORK_OUTCOMES = ("worked", "finished, not worked")
 DEADLINE = 2.0  # every deadline under test
 RETRIES = 1
 BACKOFF = 0.5
@@ -41,6 +44,7 @@ class Case:
     bound: float = 0.0  # the documented deadlines the case may spend, on top of START
     evidence: tuple[str, ...] = ()  # metric names (in trainer_state.json) or texts in the output that show it
     bug: bool = False  # the culprit is a bug in user code: a traceback into it is wanted
+    works: bool = False  # no misbehaviour: rc 0 with every `evidence` seen is `worked` (WORK_OUTCOMES)
     note: str = ""
 
 
