@@ -18,19 +18,22 @@ class RecordedGuess(GuessEnvironment):
     """`GuessEnvironment`, its episodes recorded at their end (the target, the guesses, the rewards) or at `close`."""
 
     def reset(self, seed=None, episode_id=None, delay: float = 0.0, **kwargs):
-        self.delay, self.rewards, self.recorded = delay, [], False
+        self.delay, self.rewards, self.spans, self.recorded = delay, [], [], False
         return super().reset(seed=seed, episode_id=episode_id, **kwargs)
 
     def step(self, action, timeout_s=None, **kwargs):
+        start = time.time()
         time.sleep(self.delay)
         observation = super().step(action, timeout_s=timeout_s, **kwargs)
         self.rewards.append(observation.reward)
+        self.spans.append((start, time.time()))
         return observation
 
     def close(self):
         if hasattr(self, "recorded") and not self.recorded:
             self.recorded = True
-            record("guess", target=self.state.target, guesses=self.state.guesses, rewards=self.rewards)
+            record("guess", target=self.state.target, guesses=self.state.guesses, rewards=self.rewards,
+                   spans=self.spans)
         super().close()
 
 
