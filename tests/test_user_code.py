@@ -203,3 +203,49 @@ def test_deadlines_are_checked_against_ddp_timeout_in_a_run_of_several_processes
         check(slow_environments, environments=True, world_size=2)
     unbounded = PPOConfig(output_dir="unused", report_to="none", reward_timeout=None, ddp_timeout=60)
     check(unbounded, environments=False, world_size=2)  # None: no limit, the user's choice
+
+
+POOL_REWARD = '''
+import multiprocessing
+
+def count_words(text):
+    return len(text.split())
+
+def probe(prompts, completions, **columns):
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        return [n / 10 for n in pool.map(count_words, completions)]
+'''
+
+
+def test_a_reward_files_helpers_can_be_sent_to_a_process_pool(tmp_path, monkeypatch):
+    """The probe's `user_pool`: the file's module was not in `sys.modules`, so pickling its `count_words` for the
+    pool's workers failed ("not the same object as reward.count_words")."""
+    import sys
+
+    from trl_ppo.script_args import load_reward_function
+
+    (tmp_path / "pool_reward.py").write_text(POOL_REWARD)
+    monkeypatch.delitem(sys.modules, "pool_reward", raising=False)
+    probe = load_reward_function(f"{tmp_path}/pool_reward.py:probe")
+    assert probe([], ["one two", "three"]) == [0.2, 0.1]
+    assert sys.modules["pool_reward"].probe is probe
+
+
+def test_a_process_forked_during_training_takes_sigterm_as_python_starts_it():
+    """The probe's `user_pool_builtin`: a `Pool` worker forked by a reward inherited the trainer's SIGTERM handler
+    (which only sets a flag), ignored `Pool.terminate()`, and the pool waited for it forever."""
+    import os
+
+    from trl_ppo.checkpoint.preemption import PreemptionHandler
+
+    with PreemptionHandler():
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # the child: report its handler, then end at once
+            os.write(write, b"default" if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else b"trainer's")
+            os._exit(0)
+        os.close(write)
+        reported = os.read(read, 64)
+        os.waitpid(child, 0)
+    assert reported == b"default"

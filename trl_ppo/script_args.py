@@ -97,6 +97,7 @@ def load_reward_function(spec: str, flag: str = "--reward_function"):
     import importlib
     import importlib.util
     import os
+    import sys
 
     source, _, name = spec.rpartition(":")
     if not source or not name:
@@ -105,9 +106,19 @@ def load_reward_function(spec: str, flag: str = "--reward_function"):
         if source.endswith(".py"):
             if not os.path.isfile(source):
                 raise SystemExit(f"trl-ppo: {flag} {spec}: no such file {source}.")
-            module_spec = importlib.util.spec_from_file_location(os.path.basename(source)[:-3], source)
+            module_name = os.path.basename(source)[:-3]
+            module_spec = importlib.util.spec_from_file_location(module_name, source)
             module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            # Registered as an import would: pickle finds the file's functions by name (a `multiprocessing.Pool`
+            # of a helper in it), and the file is not imported a second time. A module of that name already
+            # imported (a package's) is left in place.
+            registered = sys.modules.setdefault(module_name, module) is module
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                if registered:
+                    del sys.modules[module_name]
+                raise
         else:
             module = importlib.import_module(source)
     except ImportError as error:

@@ -3,10 +3,27 @@ update (all processes agreeing), so that the run stops at a point it can resume 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
 import torch
+
+_active: list[PreemptionHandler] = []  # the handlers installed in this process, innermost last
+
+
+def _defaults_in_a_forked_child() -> None:
+    """A process forked during training (a reward's `multiprocessing.Pool` worker) gets SIGTERM and SIGINT back as
+    Python starts them: with the trainer's handler it ignored `Pool.terminate()`'s SIGTERM, and the pool waited for
+    it forever."""
+    if _active:
+        _active.clear()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_defaults_in_a_forked_child)
 
 
 class PreemptionHandler:
@@ -27,12 +44,15 @@ class PreemptionHandler:
         if threading.current_thread() is threading.main_thread():  # signals can only be caught there
             for signum in self.SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            _active.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        if self in _active:
+            _active.remove(self)
 
 
 def stop_requested(preemption: PreemptionHandler, accelerator) -> bool:
