@@ -308,7 +308,8 @@ def test_the_speed_benchmark_and_the_example_run(tmp_path):
     root = os.path.dirname(TESTS)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, os.path.join(root, "benchmark", "agents", "openenv_speed.py"), "--updates", "1",
-               "--batch_size", "2", "--round_trips", "5", "--output_dir", str(tmp_path / "speed")]  # fmt: skip
+               "--batch_size", "2", "--round_trips", "5", "--repeats", "1",
+               "--output_dir", str(tmp_path / "speed")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"mode"')]

@@ -7,7 +7,8 @@ The game is `trl_ppo.agents.openenv_envs.GuessEnvironment` (a number from 1 to 8
 scripted model that halves the range with each answer (its turns are fixed; the tiny policy's log-probs, values,
 update and everything between the sampler and the environment are real): 1 to 3 steps an episode, 2.25 on average
 over the 8 targets. Each mode trains `--updates` updates of `--batch_size` episodes with `PPOTrainer(...,
-environment_factory=...)` and times `train()` (wall seconds; episodes / wall seconds is the row's `episodes_per_s`).
+environment_factory=...)` and times `train()` (wall seconds; episodes / wall seconds is the row's `episodes_per_s`),
+`--repeats` times, after one untimed run that pays for the imports and the first passes.
 `in_process`: the same `GuessEnvironment` class wrapped as a trl_ppo environment, no server; `websocket`: served by
 `OpenEnvServer`, one session per episode (`openenv_adapter`); `websocket_delay`: the same with 0.1 s of sleep in
 every step (a remote or slow environment). OpenEnv's HTTP routes make a new environment per request, so they cannot
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--updates", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--round_trips", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each mode (a row each), after one "
+                        "untimed warm-up run in this process")
     parser.add_argument("--output_dir", default="/tmp/openenv_speed")
     parser.add_argument("--out", help="append the rows to this JSON-lines file")
     args = parser.parse_args(argv)
@@ -158,22 +161,24 @@ def main(argv: list[str] | None = None) -> None:
 
     common = {"updates": args.updates, "batch_size": args.batch_size, "threads": os.environ.get("OMP_NUM_THREADS"),
               "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    seconds, steps = train(InProcessGuess, args)
-    emit_row({"mode": "in_process", "seconds": round(seconds, 2), "steps": steps,
-              "episodes_per_s": round(args.updates * args.batch_size / seconds, 2), **common}, args.out)  # fmt: skip
+    train(InProcessGuess, args)  # warm-up: imports, the first trainer and its first passes
+    for repeat in range(args.repeats):
+        seconds, steps = train(InProcessGuess, args)
+        emit_row({"mode": "in_process", "repeat": repeat, "seconds": round(seconds, 2), "steps": steps,
+                  "episodes_per_s": round(args.updates * args.batch_size / seconds, 2), **common}, args.out)
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     import openenv_speed  # this script as a module, so that the server process imports its class by name
 
     for mode, cls in (("websocket", GuessEnvironment), ("websocket_delay", openenv_speed.DelayedGuess)):
         with OpenEnvServer(cls, GuessAction, GuessObservation, max_concurrent_envs=4 * args.batch_size,
                            env=env) as server:  # fmt: skip
-            seconds, steps = train(openenv_environment(server), args)
-            row = {"mode": mode, "seconds": round(seconds, 2), "steps": steps,
-                   "episodes_per_s": round(args.updates * args.batch_size / seconds, 2), **common}  # fmt: skip
-            if mode == "websocket":
-                row |= round_trips(server.url, args.round_trips)
-            emit_row(row, args.out)
-
+            for repeat in range(args.repeats):
+                seconds, steps = train(openenv_environment(server), args)
+                row = {"mode": mode, "repeat": repeat, "seconds": round(seconds, 2), "steps": steps,
+                       "episodes_per_s": round(args.updates * args.batch_size / seconds, 2), **common}
+                if mode == "websocket" and repeat == 0:
+                    row |= round_trips(server.url, args.round_trips)
+                emit_row(row, args.out)
 
 if __name__ == "__main__":
     main()
