@@ -185,7 +185,8 @@ def test_one_turn_through_the_turn_loop_is_bit_identical_to_single_turn_sampling
 
     plain_weights, plain_logs = run(False)
     loop_weights, loop_logs = run(True)
-    agent_metrics = {"env/turns_mean": 1, "env/tool_calls_mean": 0, "env/tool_errors": 0, "env/truncated_frac": 0}
+    agent_metrics = {"env/turns_mean": 1, "env/tool_calls_mean": 0, "env/turn_rewards_mean": 0, "env/tool_errors": 0,
+                     "env/truncated_frac": 0}
     agent_metrics |= {"env/truncated_tool_responses": 0, "val/env_token_frac": 0, "env/tool_timeouts": 0}
     logged = [entry for entry in loop_logs if "objective/kl" in entry]
     assert len(logged) == 2 and all(entry.items() >= agent_metrics.items() for entry in logged)

@@ -6,6 +6,7 @@ The harness is `benchmark/reliability/kill_resume.py`; its many-trial table is i
 import os
 import sys
 
+import pytest
 from conftest import REPO_ROOT
 
 from trl_ppo.checkpoint import folders
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "benchmark", "reliability"))
 import kill_resume  # noqa: E402
 
 
+@pytest.mark.slow  # several `trl-ppo` processes, about 13 s: `make test` runs it, the quick loop does not
 def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_runs_model(tmp_path):
     result = kill_resume.run_trials(trials=2, kills=2, seed=46, workdir=str(tmp_path), updates=6)
     for record in result["trials"]:

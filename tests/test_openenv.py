@@ -120,6 +120,7 @@ def guess_rows(targets, **columns) -> dict:
             **{name: [value] * len(targets) for name, value in columns.items()}}  # fmt: skip
 
 
+@pytest.mark.slow  # a server process starts in about 4 s: `make test` runs these, the quick loop does not
 def test_a_typed_environment_trains_through_a_real_server(guess_server, tokenizer, make_config, monkeypatch):
     server, record = guess_server
     clear_record(record)
@@ -151,6 +152,7 @@ def arithmetic_turn(text: str) -> str:
     return turns[min(len(answers), 2)]
 
 
+@pytest.mark.slow  # a server of its own: about 6 s
 def test_an_mcp_environment_offers_the_servers_tools_and_scores_the_answer(tmp_path_factory, tokenizer, make_config,
                                                                             monkeypatch):  # fmt: skip
     server, record = serve(tmp_path_factory, "RecordedArithmetic", max_concurrent_envs=8)

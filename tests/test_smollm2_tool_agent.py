@@ -126,7 +126,8 @@ def script_training(monkeypatch, tokenizer):
     monkeypatch.setattr(runner, "turn_sampler", training)
 
 
-@pytest.mark.parametrize("estimator", ["gae", pytest.param("grpo", marks=pytest.mark.slow)])
+@pytest.mark.slow  # each about 5 s: `make test` runs them, the quick loop does not
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_the_demo_warm_starts_trains_and_evaluates(estimator, tiny_chatml, tmp_path, capsys, monkeypatch):
     from transformers import AutoTokenizer
 
@@ -145,6 +146,7 @@ def test_the_demo_warm_starts_trains_and_evaluates(estimator, tiny_chatml, tmp_p
     assert "Held-out success 0.00 -> 1.00" in out and f"[{estimator}: 1 updates of 4 episodes" in out
 
 
+@pytest.mark.slow
 def test_the_floor_is_the_model_without_tools_one_turn_on_its_own_template(tiny_chatml, tmp_path, capsys, monkeypatch):
     seen, floor_turns = [], []
     play, sampler = agent.task.agent_task.evaluate_prompts, agent.task.agent_task.model_sampler
