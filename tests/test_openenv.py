@@ -139,6 +139,7 @@ def test_a_typed_environment_trains_through_a_real_server(guess_server, tokenize
     assert by_target[6] == ([4, 6], [-0.1, 1.0])  # the turn that found it is paid; the game then ends
     assert by_target[8] == ([4, 6, 7], [-0.1, -0.1, -0.1])  # ended by its 3 guesses, not by the model
     assert all(not e.truncated and e.environment.done for e in collected.episodes)
+    assert all(e.environment.rewards == e.turn_rewards for e in collected.episodes)  # what reward functions read
     logged = [entry["env/turn_rewards_mean"] for entry in trainer.state.log_history if "env/turn_rewards_mean" in entry]
     assert sum(logged) * 4 == pytest.approx(sum(sum(rewards) for *_, rewards in played))  # 4 episodes an update
 

@@ -88,7 +88,7 @@ class OpenEnvEpisode:
         except Exception as error:
             await self.close()
             _raise_named(error, self.url, "reset")
-        self._observe(result)
+        self._observe(result, step=False)
         text = self.render(result.observation)
         return text or None
 
@@ -119,9 +119,11 @@ class OpenEnvEpisode:
         self._observe(result)
         return result.observation, float(result.reward or 0.0)
 
-    def _observe(self, result) -> None:
+    def _observe(self, result, step: bool = True) -> None:
+        """Keep what the server answered: `observations` from `reset`'s on, `rewards` one per step."""
         self.observations.append(result.observation)
-        self.rewards.append(float(result.reward or 0.0))
+        if step:
+            self.rewards.append(float(result.reward or 0.0))
         self.metadata = dict(result.observation.get("metadata") or result.metadata or {})
         self.ended = self.ended or bool(result.done)
 
