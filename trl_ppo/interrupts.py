@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 TIMED_OUT = object()  # the outcome of a call still running at its deadline
 RESEND = 0.5  # seconds between interrupts of a call that is still running after its deadline
-# A real-time signal nothing else sends (Linux); SIGUSR2 where there are none (macOS).
+# A real-time signal nothing else sends (Linux); SIGUSR2 where Python has none (macOS, or Python < 3.11).
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else getattr(signal, "SIGUSR2", None)
 
 
