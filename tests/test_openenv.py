@@ -12,6 +12,7 @@ import re
 import time
 
 import pytest
+from conftest import needs_tool_parsing
 from datasets import Dataset
 from test_agent_training import tool_policy
 from transformers import TrainerCallback
@@ -121,6 +122,7 @@ def guess_rows(targets, **columns) -> dict:
 
 
 @pytest.mark.slow  # a server process starts in about 4 s: `make test` runs these, the quick loop does not
+@needs_tool_parsing  # the model's tool calls are parsed by transformers
 def test_a_typed_environment_trains_through_a_real_server(guess_server, tokenizer, make_config, monkeypatch):
     server, record = guess_server
     clear_record(record)
@@ -154,6 +156,7 @@ def arithmetic_turn(text: str) -> str:
 
 
 @pytest.mark.slow  # a server of its own: about 6 s
+@needs_tool_parsing  # the model's tool calls are parsed by transformers
 def test_an_mcp_environment_offers_the_servers_tools_and_scores_the_answer(tmp_path_factory, tokenizer, make_config,
                                                                             monkeypatch):  # fmt: skip
     server, record = serve(tmp_path_factory, "RecordedArithmetic", max_concurrent_envs=8)
@@ -175,6 +178,7 @@ def test_an_mcp_environment_offers_the_servers_tools_and_scores_the_answer(tmp_p
     assert all(e.turn_rewards == [0.0, 0.0, 1.0] and e.environment.done for e in collected.episodes)
 
 
+@needs_tool_parsing  # the model's tool calls are parsed by transformers
 def test_a_reset_that_fails_closes_the_environments_already_made(make_config, tokenizer):
     """The batch's third `reset` raises: the two environments made before it are closed (their sessions, sandboxes
     or files released), not left open."""
@@ -235,6 +239,7 @@ class KillAfterFirstUpdate(TrainerCallback):
 
 
 @pytest.mark.slow
+@needs_tool_parsing  # the model's tool calls are parsed by transformers
 def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path_factory, tokenizer, make_config, monkeypatch):
     """The run stops with the error naming the server; the checkpoint of update 1 is intact, to resume from."""
     server, _ = serve(tmp_path_factory, "RecordedGuess", max_concurrent_envs=8)
@@ -255,6 +260,7 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path_factory, token
 
 
 @pytest.mark.slow
+@needs_tool_parsing  # the model's tool calls are parsed by transformers
 def test_a_server_at_capacity_is_refused_naming_it_and_leaks_no_session(tmp_path_factory, tokenizer, make_config,
                                                                          monkeypatch):  # fmt: skip
     server, _ = serve(tmp_path_factory, "RecordedGuess", max_concurrent_envs=2)
@@ -267,6 +273,7 @@ def test_a_server_at_capacity_is_refused_naming_it_and_leaks_no_session(tmp_path
 
 
 @pytest.mark.slow
+@needs_tool_parsing  # the model's tool calls are parsed by transformers
 def test_a_slow_server_trains_within_the_deadlines(guess_server, tokenizer, make_config, monkeypatch):
     """0.5 s a step: the episodes of a batch wait on the server side by side, and no deadline is met."""
     server, record = guess_server
@@ -286,6 +293,7 @@ def test_a_slow_server_trains_within_the_deadlines(guess_server, tokenizer, make
 
 
 @pytest.mark.slow
+@needs_tool_parsing  # the model's tool calls are parsed by transformers
 def test_a_step_past_tool_timeout_ends_the_episode_and_closes_its_session(guess_server, tokenizer, make_config,
                                                                           monkeypatch):  # fmt: skip
     server, _ = guess_server
@@ -302,6 +310,7 @@ def test_a_step_past_tool_timeout_ends_the_episode_and_closes_its_session(guess_
 
 
 @pytest.mark.slow
+@needs_tool_parsing  # the model's tool calls are parsed by transformers
 def test_the_speed_benchmark_and_the_example_run(tmp_path):
     """benchmark/agents/openenv_speed.py in its smallest form (its three modes and the round trips), and
     examples/scripts/openenv_train.py on each shipped environment with the tiny model (the path, not learning)."""
