@@ -12,7 +12,7 @@ import re
 import time
 
 import pytest
-from conftest import needs_tool_parsing
+from conftest import load_example_script, needs_tool_parsing
 from datasets import Dataset
 from test_agent_training import tool_policy
 from transformers import TrainerCallback
@@ -83,13 +83,8 @@ def call(name: str, **arguments) -> str:
     return f'<tool_call>{{"name": "{name}", "arguments": {json.dumps(arguments)}}}</tool_call><|im_end|>'
 
 
-def binary_search(text: str) -> str:
-    """Halve the range 1..8 with each answer read so far."""
-    low, high = 1, 8
-    guesses = [int(n) for n in re.findall(r'"number": (\d+)', text)]
-    for guess, feedback in zip(guesses, re.findall(r"<tool_response>\n(\w+)\n", text)):
-        low, high = (guess + 1, high) if feedback == "higher" else (low, guess - 1) if feedback == "lower" else (0, 0)
-    return "Found it.<|im_end|>" if low == 0 else call("guess", number=(low + high) // 2)
+# the benchmark's scripted model, which halves the range 1..8 with each answer read so far
+binary_search = load_example_script("openenv_speed", folder=os.path.join("benchmark", "agents")).binary_search
 
 
 class Collected:

@@ -71,10 +71,13 @@ class InProcessGuess:
 
 
 def binary_search(text: str) -> str:
+    """The scripted model's next turn: halve the range 1..8 with each answer read so far (also the tests')."""
     low, high = 1, 8
     guesses = [int(n) for n in re.findall(r'"number": (\d+)', text)]
     for guess, feedback in zip(guesses, re.findall(r"<tool_response>\n(\w+)\n", text)):
         low, high = (guess + 1, high) if feedback == "higher" else (low, guess - 1) if feedback == "lower" else (0, 0)
+    if low == 0:  # "correct": the game has ended, which ends the episode before this turn is asked for
+        return "Found it.<|im_end|>"
     number = (low + high) // 2
     return f'<tool_call>{{"name": "guess", "arguments": {{"number": {number}}}}}</tool_call><|im_end|>'
 
