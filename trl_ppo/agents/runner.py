@@ -104,18 +104,18 @@ class AgentRunner:
         columns = {key: value for key, value in batch.items() if key not in ("input_ids", "attention_mask")}
         episodes = []
         queries, query_mask = prompts_on_device(batch, "cpu", self.tokenizer.pad_token_id)
+        made = []  # closed below if a later one fails
         try:
             for i, (ids, mask) in enumerate(zip(queries, query_mask)):
                 row = {key: values[i] for key, values in columns.items()}
-                made = self.environments.create(row) if self.environments is not None else (None, None)
-                episodes.append(Episode([], {}, made[0]))  # closed below if a later one fails
-                tools = toolbox(self.tools, made[0])
-                query = self._prompt(ids[mask].tolist(), row.get("prompt"), tools, made[1])
-                episodes[-1].query = fit_query(query, args.max_prompt_length, args.response_length, context)
-                episodes[-1].tools = tools
+                environment, added = self.environments.create(row) if self.environments is not None else (None, None)
+                made += [environment] if environment is not None else []
+                tools = toolbox(self.tools, environment)
+                query = self._prompt(ids[mask].tolist(), row.get("prompt"), tools, added)
+                episodes.append(Episode(fit_query(query, args.max_prompt_length, args.response_length, context),
+                                        tools, environment))
         except BaseException:  # the environments made so far hold sessions, sandboxes or files: release them
-            close_environments([e.environment for e in episodes if e.environment is not None],
-                               self.deadlines.environment)
+            close_environments(made, self.deadlines.environment)
             raise
         return episodes
 
