@@ -19,7 +19,7 @@ from trl_ppo.agents.execution import ToolCall, execute_calls
 from trl_ppo.agents.runner import AgentRunner
 from trl_ppo.agents.tiny_chat import build_tool_tokenizer
 from trl_ppo.agents.tools import schemas, toolbox
-from trl_ppo.agents.turn_loop import Episode, run_turns
+from trl_ppo.rollout.turn_loop import Episode, run_turns
 
 
 class Ledger:

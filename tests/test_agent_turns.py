@@ -10,7 +10,7 @@ from trl_ppo.agents.chat import ToolChat
 from trl_ppo.agents.execution import ToolResult
 from trl_ppo.agents.tiny_chat import build_tool_tokenizer
 from trl_ppo.agents.tools import schemas, toolbox
-from trl_ppo.agents.turn_loop import Episode, episodes_rollout, run_turns
+from trl_ppo.rollout.turn_loop import Episode, episodes_rollout, run_turns
 
 pytestmark = needs_tool_parsing
 

@@ -14,7 +14,7 @@ from conftest import (load_example_script, needs_tool_parsing, script_tool_turns
 from trl_ppo.agents.chat import ToolChat
 from trl_ppo.agents.tiny_chat import build_byte_tokenizer
 from trl_ppo.agents.tools import schemas, toolbox
-from trl_ppo.agents.turn_loop import Episode, run_turns
+from trl_ppo.rollout.turn_loop import Episode, run_turns
 
 registry = pytest.importorskip("trl.chat_template_utils", reason="the `templates` extra (trl) is not installed")
 pytestmark = needs_tool_parsing

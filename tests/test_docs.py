@@ -91,7 +91,7 @@ def test_the_layout_table_lists_each_module_once():
             continue
         listed = [row for row in rows if f"`trl_ppo/{module.name}`" in row.split(" | ")[0]]
         assert len(listed) == 1, (module.name, len(listed))
-    for package in ("agents", "checkpoint", "legacy"):
+    for package in ("agents", "checkpoint", "legacy", "rollout"):
         assert sum(row.startswith(f"| `trl_ppo/{package}/`") for row in rows) == 1, package
 
 

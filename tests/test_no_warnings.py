@@ -17,7 +17,7 @@ import torch
 from conftest import build_trainer
 from transformers.utils import logging as hf_logging
 
-from trl_ppo import generation
+from trl_ppo.rollout import generation
 from trl_ppo.compat import returned_cache
 
 

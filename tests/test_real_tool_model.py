@@ -148,7 +148,7 @@ def test_the_calculator_computes_and_refuses_what_is_not_arithmetic(calc):
 def test_the_stock_template_shows_tools_and_a_hermes_call_is_parsed_and_answered(calc, qwen_tokenizer):
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
-    from trl_ppo.agents.turn_loop import Episode, run_turns
+    from trl_ppo.rollout.turn_loop import Episode, run_turns
 
     tokenizer = qwen_tokenizer
     prompt = tokenizer.apply_chat_template(calc.messages("What is 347 * 68?"), tools=[calc.calculator],

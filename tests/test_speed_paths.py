@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import build_trainer
 
-from trl_ppo import generation
+from trl_ppo.rollout import generation
 from trl_ppo.data import prompts_on_device
-from trl_ppo.generation import resolve_backend
+from trl_ppo.rollout.generation import resolve_backend
 from trl_ppo.rollout import sample_responses
 
 real_compiled_loop = generation.sample_responses_compiled

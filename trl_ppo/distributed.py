@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import fsdp
+from .modules import freeze
 
 # Process i samples with seed `seed + i * PROCESS_SEED_STRIDE`: the processes draw different responses to their
 # different prompts, while the data order (seeded by `seed` alone) is the same everywhere. A large prime keeps the
@@ -158,7 +159,6 @@ def prepare_frozen_model(model: nn.Module, accelerator) -> tuple[nn.Module, obje
 def place_frozen_models(ref_model: nn.Module | None, rewards: list, accelerator) -> tuple[nn.Module | None, list]:
     """Place the frozen reference and reward models for inference (`prepare_frozen_model`, after `freeze`): the
     reward models in place (`reward.source`) -> (the reference, the ZeRO-3 engines whose hooks they need)."""
-    from .models import freeze
 
     engines = []
 

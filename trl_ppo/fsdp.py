@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .modules import decoder_blocks
+
 ROOT_CALL = "trl_ppo_root_call"  # the forward method `enable_root_calls` registers on a sharded root
 
 
@@ -78,7 +80,6 @@ def shard_frozen_model(model: nn.Module, accelerator) -> nn.Module:
     are gathered for its forward and freed after it. The root accepts `root_call`."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from .models import decoder_blocks
 
     plugin = accelerator.state.fsdp_plugin
     options = {

@@ -20,6 +20,7 @@ from transformers.utils import logging
 from . import distributed as dist
 from .compat import enable_activation_checkpointing
 from .logprobs import ResponseOutput, position_ids_from_mask, response_logprobs
+from .modules import decoder_blocks, freeze
 from .value_head import AutoModelForCausalLMWithValueHead, causal_lm, is_value_head_model
 
 logger = logging.get_logger(__name__)
@@ -61,14 +62,6 @@ def disable_dropout(model: nn.Module) -> None:
         for key in _DROPOUT_CONFIG_KEYS:
             if isinstance(getattr(config, key, None), float):
                 setattr(config, key, 0.0)
-
-
-def freeze(model: nn.Module) -> nn.Module:
-    """Put a model that is only read (reference, reward) in eval mode without gradients."""
-    model.eval()
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    return model
 
 
 def scalar_head_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -252,14 +245,6 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
         parameter.requires_grad_(False)
     memo = {id(parameter): parameter for parameter in shared}  # deepcopy keeps these objects as they are
     return freeze(copy.deepcopy(model, memo))
-
-
-def decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of transformer blocks: its longest `nn.ModuleList`."""
-    stacks = [module for module in model.modules() if isinstance(module, nn.ModuleList)]
-    if not stacks:
-        raise ValueError(f"Cannot find the transformer blocks of {type(model).__name__} (no nn.ModuleList).")
-    return max(stacks, key=len)
 
 
 @contextlib.contextmanager

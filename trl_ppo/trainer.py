@@ -28,7 +28,6 @@ from .agents.runner import agent_runner
 from .config import PPOConfig
 from .config_checks import stop_and_penalty_tokens
 from .evaluation import EvaluationMethods
-from .generation import resolve_backend
 from .kl import next_kl_coef
 from .metrics import critic_metrics, update_metrics
 from .models import (
@@ -42,6 +41,7 @@ from .on_policy_trainer import OnPolicyTrainer
 from .preparation import initial_fingerprints, prepare_all_models, prepare_data, refuse_old_names, validate_inputs
 from .rewards import Scoring
 from .rollout import Rollout, Sampling, add_logprobs_and_values, collect_rollout
+from .rollout.generation import resolve_backend
 from .step_methods import StepMethods
 
 logger = logging.get_logger(__name__)

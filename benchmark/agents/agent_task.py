@@ -311,7 +311,7 @@ def evaluate_prompts(model, tokenizer, prompts: list[list[int]], answers: list[i
     -> bool judges an episode's model text (default `is_correct`)."""
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
-    from trl_ppo.agents.turn_loop import Episode, run_turns
+    from trl_ppo.rollout.turn_loop import Episode, run_turns
 
     was_training = model.training
     model.eval()

@@ -131,7 +131,7 @@ def evaluate(model, tokenizer, budget: int, temperature: float | None = None, ga
     {"success", "guesses" (mean answered guesses), "sample" (the first game after its prompt)}."""
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
-    from trl_ppo.agents.turn_loop import Episode, run_turns
+    from trl_ppo.rollout.turn_loop import Episode, run_turns
 
     was_training = model.training
     model.eval()

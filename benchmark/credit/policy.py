@@ -74,7 +74,7 @@ def evaluate(model, tokenizer, task: str, budget: int, temperature: float | None
     seeds (negative) are never the training rows' (non-negative)."""
     from trl_ppo.agents.chat import ToolChat
     from trl_ppo.agents.tools import schemas, toolbox
-    from trl_ppo.agents.turn_loop import Episode, run_turns
+    from trl_ppo.rollout.turn_loop import Episode, run_turns
 
     was_training = model.training
     model.eval()

@@ -27,7 +27,7 @@ from rows import emit_row  # noqa: E402
 
 from trl_ppo.data import LeftPaddingCollator, prompts_on_device  # noqa: E402
 from trl_ppo.default_job import build_word_tokenizer  # noqa: E402
-from trl_ppo.generation import generation_backend  # noqa: E402
+from trl_ppo.rollout.generation import generation_backend  # noqa: E402
 
 BACKENDS = ("kv_cache", "compiled", "compiled_loop", "generate")  # baseline first, then the CUDA default
 

@@ -20,10 +20,10 @@ from ..deadlines import Deadlines, UserCallError
 from ..models import context_length
 from ..rewards import Reward
 from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
+from ..rollout.turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
 from .chat import ToolChat
 from .environments import Environments, close_environments, environment_reward, make_environment
 from .tools import schemas, tool_list, toolbox
-from .turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
 
 logger = logging.get_logger(__name__)
 

@@ -1,0 +1,33 @@
+"""The rollout side: everything between the policy's weights and a filled `Rollout`.
+
+* `record.py`: the `Rollout` record, one batch of episodes from sampling to the update.
+* `generation.py`: the sampling backends (a KV-cache loop, transformers' `generate`, compiled variants).
+* `collect.py`: one-turn rollouts: sample, then the log-probs and values the update needs.
+* `turn_loop.py`: multi-turn episodes played in lockstep (tool calls parsed and answered between turns).
+
+What it may touch: the models (read-only, under `torch.no_grad`), the tokenizer and chat templates (`agents.chat`),
+and tool execution (`agents.execution`); never the optimizer, the loss or the trainer's state.
+"""
+
+from .collect import (
+    Sampling,
+    add_logprobs_and_values,
+    collect_rollout,
+    reference_output,
+    sample_responses,
+    sample_rollout,
+)
+from .record import PER_TOKEN_FIELDS, Rollout, chunks, masked_response_logprobs
+
+__all__ = [
+    "PER_TOKEN_FIELDS",
+    "Rollout",
+    "Sampling",
+    "add_logprobs_and_values",
+    "chunks",
+    "collect_rollout",
+    "masked_response_logprobs",
+    "reference_output",
+    "sample_responses",
+    "sample_rollout",
+]
