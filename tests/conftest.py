@@ -218,6 +218,7 @@ def script_tool_turns(monkeypatch, tokenizer, final: str) -> None:
         return sample_turn
 
     monkeypatch.setattr(runner, "turn_sampler", scripted)
+    monkeypatch.setattr(runner.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
 
 
 def train_and_check_one_call_per_episode(trainer) -> None:

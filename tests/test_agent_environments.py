@@ -137,6 +137,7 @@ def tok():
 
 def test_trls_game_example_environment_runs_unchanged(make_config, tok, monkeypatch):
     monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted(tok, [call("slide", '{"direction": "left"}')]))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     random.seed(0)
     trainer = grpo_trainer(make_config, tok, reward_score, LineGameEnv)  # a reward requiring `environments`
     assert [tool["function"]["name"] for tool in trainer.agents.chat.tools] == ["slide"]  # no static method
@@ -149,6 +150,7 @@ def test_trls_game_example_environment_runs_unchanged(make_config, tok, monkeypa
 def test_an_environment_keeping_async_state_across_turns(make_config, tok, monkeypatch):
     calls = [call("add", '{"amount": 2}'), call("add", '{"amount": 5}')]
     monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted(tok, calls))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     AsyncCounterEnv.closed.clear()
     trainer = grpo_trainer(make_config, tok, [], lambda: AsyncCounterEnv())  # `get_reward` the only reward
     trainer.train()
@@ -180,6 +182,7 @@ def test_an_environment_without_tools_is_the_only_reward(make_config, tok, monke
         return sample_turn
 
     monkeypatch.setattr(agent_runner_module, "turn_sampler", make)
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     trainer = grpo_trainer(make_config, tokenizer, [], QuizEnv, max_turns=1)
     trainer.train()
     assert [e["objective/scores/environment"] for e in trainer.state.log_history if "env/turns_mean" in e] == [1, 1]
@@ -214,6 +217,7 @@ def says_42(prompts, completions, environments=None, **columns):
 
 def test_stop_token_metrics_read_the_last_turn(make_config, tok, monkeypatch):
     monkeypatch.setattr(agent_runner_module, "turn_sampler", cut_short(tok))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     trainer = agent_trainer(make_config, tok, says_42, missing_eos_penalty=1.0, per_device_eval_batch_size=2)
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry]
@@ -225,6 +229,7 @@ def test_stop_token_metrics_read_the_last_turn(make_config, tok, monkeypatch):
 @pytest.mark.parametrize("mode", ["terminal", "mask", "bootstrap"])
 def test_truncated_episodes_are_terminal_masked_or_bootstrapped(make_config, tok, monkeypatch, mode):
     monkeypatch.setattr(agent_runner_module, "turn_sampler", cut_short(tok))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
 
     def train(truncated_episodes):
         torch.manual_seed(0)

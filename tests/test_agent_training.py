@@ -117,6 +117,7 @@ def test_train_plays_multi_turn_episodes_with_tools_and_environments(make_config
 
     per_turn = []
     monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted_sampler(tool_tokenizer))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     monkeypatch.setattr(trainer_module, "critic_metrics", critic_metrics)
     trainer = agent_trainer(make_config, tool_tokenizer, says_42)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -169,11 +170,13 @@ def test_tools_on_a_transformers_without_the_parsing_api_are_refused_naming_the_
 def test_one_turn_through_the_turn_loop_is_bit_identical_to_single_turn_sampling(
     make_config, tokenizer, load_models, prompt_dataset
 ):
-    """`max_turns=1` without tools is the single-turn path; run through the turn loop instead, it makes the same
-    updates, bit for bit: the loop adds nothing to the rollout of one turn."""
+    """`max_turns=1` without tools is the single-turn path; run through the lockstep turn loop instead, it makes
+    the same updates, bit for bit: the loop adds nothing to the rollout of one turn. (The continuous engine draws
+    each episode's tokens from a generator of its own: other tokens, the same distribution.)"""
 
     def run(through_turn_loop: bool):
-        trainer = build_trainer(make_config(), tokenizer, load_models, prompt_dataset, value_model=None)
+        trainer = build_trainer(make_config(agent_rollout="lockstep"), tokenizer, load_models, prompt_dataset,
+                                value_model=None)
         if through_turn_loop:
             trainer.agents = AgentRunner(trainer.args, tokenizer, None, None, trainer.stop_token_id, None)
         trainer.train()
@@ -221,6 +224,7 @@ def random_sampler(tokenizer):
 def test_a_multi_turn_run_resumes_bit_identical(make_config, tool_tokenizer, monkeypatch, tmp_path):
     """4 updates straight vs. stopped after update 2 and resumed: the same weights and logs, bit for bit."""
     monkeypatch.setattr(agent_runner_module, "turn_sampler", random_sampler(tool_tokenizer))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
 
     def reward(prompts, completions, environments=None, **columns):
         return [float(len(completion) % 5) for completion in completions]
@@ -252,6 +256,7 @@ def test_evaluation_and_the_completions_table_play_whole_episodes(make_config, t
         return [1.0 if "42." in completion else 0.0 for completion in completions]
 
     monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted_sampler(tool_tokenizer))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     trainer = agent_trainer(make_config, tool_tokenizer, says_42, per_device_eval_batch_size=2)
     rows = trainer.generate_completions()
     assert len(rows) == 2 and rows[0]["score"] == 1.5  # says_42, and the environment's reward for one apple

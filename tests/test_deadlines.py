@@ -232,6 +232,7 @@ def test_a_get_reward_that_hangs_in_training_is_retried_then_stops_the_run(make_
         return lambda contexts, max_new_tokens: [answer] * len(contexts)
 
     monkeypatch.setattr(agent_runner_module, "turn_sampler", answers)
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     settings = dict(max_turns=1, environment_timeout=0.2, user_call_retries=1, user_call_backoff=0.01)
     trainer = grpo_trainer(make_config, tokenizer, [], SlowQuiz, **settings)
     with pytest.raises(UserCallError, match=r"Update 2: `SlowQuiz.get_reward` did not return within 0.2 s on each of "

@@ -129,6 +129,7 @@ def test_multi_turn_grpo_credits_each_episode_once_on_its_model_tokens(make_conf
 
     tokenizer = build_tool_tokenizer()
     monkeypatch.setattr(agent_runner_module, "turn_sampler", random_sampler(tokenizer))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     torch.manual_seed(1)
 
     def reward(prompts, completions, **columns):

@@ -122,6 +122,7 @@ def test_a_typed_environment_trains_through_a_real_server(guess_server, tokenize
     server, record = guess_server
     clear_record(record)
     monkeypatch.setattr(runner, "turn_sampler", scripted(tokenizer, binary_search))
+    monkeypatch.setattr(runner.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     collected = Collected(monkeypatch)
     factory = openenv_environment(server)  # the URL is read from it
     assert factory.guess.tool_schema["function"]["parameters"]["properties"]["number"]["maximum"] == 8  # /schema's
@@ -161,6 +162,7 @@ def test_an_mcp_environment_offers_the_servers_tools_and_scores_the_answer(tmp_p
         assert schema["description"] == "Multiply two integers."  # listed by the server, not written here
         assert schema["parameters"]["properties"]["a"] == {"type": "integer", "description": "the first factor."}
         monkeypatch.setattr(runner, "turn_sampler", scripted(tokenizer, arithmetic_turn))
+        monkeypatch.setattr(runner.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
         collected = Collected(monkeypatch)
         rows = {"prompt": [[{"role": "user", "content": "Compute it."}]] * 4, "a": [3, 4, 5, 6], "b": [7, 8, 9, 2],
                 "c": [1, 2, 3, 4]}  # fmt: skip
@@ -239,6 +241,7 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(tmp_path_factory, token
     """The run stops with the error naming the server; the checkpoint of update 1 is intact, to resume from."""
     server, _ = serve(tmp_path_factory, "RecordedGuess", max_concurrent_envs=8)
     monkeypatch.setattr(runner, "turn_sampler", scripted(tokenizer, binary_search))
+    monkeypatch.setattr(runner.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     factory = openenv_environment(server)
     trainer = trainer_on(factory, tokenizer, make_config, guess_rows(TARGETS), save_strategy="steps", save_steps=1,
                          user_call_retries=1, user_call_backoff=0.01)  # fmt: skip
@@ -261,6 +264,7 @@ def test_a_server_at_capacity_is_refused_naming_it_and_leaks_no_session(tmp_path
     server, _ = serve(tmp_path_factory, "RecordedGuess", max_concurrent_envs=2)
     with server:
         monkeypatch.setattr(runner, "turn_sampler", scripted(tokenizer, binary_search))
+        monkeypatch.setattr(runner.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
         trainer = trainer_on(openenv_environment(server), tokenizer, make_config, guess_rows(TARGETS[:4]))
         with pytest.raises(ServerAtCapacityError, match=r"is at capacity .*2/2 sessions.*larger `max_concurrent_envs`"):
             trainer.train()
@@ -274,6 +278,7 @@ def test_a_slow_server_trains_within_the_deadlines(guess_server, tokenizer, make
     server, record = guess_server
     clear_record(record)
     monkeypatch.setattr(runner, "turn_sampler", scripted(tokenizer, binary_search))
+    monkeypatch.setattr(runner.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     collected = Collected(monkeypatch)
     trainer = trainer_on(openenv_environment(server), tokenizer, make_config, guess_rows(TARGETS[:4], delay=0.5),
                          total_episodes=4)  # fmt: skip
@@ -293,6 +298,7 @@ def test_a_step_past_tool_timeout_ends_the_episode_and_closes_its_session(guess_
                                                                           monkeypatch):  # fmt: skip
     server, _ = guess_server
     monkeypatch.setattr(runner, "turn_sampler", scripted(tokenizer, binary_search))
+    monkeypatch.setattr(runner.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     collected = Collected(monkeypatch)
     trainer = trainer_on(openenv_environment(server), tokenizer, make_config, guess_rows(TARGETS[:4], delay=2.0),
                          total_episodes=4, tool_timeout=0.3)  # fmt: skip

@@ -124,6 +124,7 @@ def script_training(monkeypatch, tokenizer):
         return sample_turn
 
     monkeypatch.setattr(runner, "turn_sampler", training)
+    monkeypatch.setattr(runner.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
 
 
 @pytest.mark.slow  # each about 5 s: `make test` runs them, the quick loop does not

@@ -47,6 +47,7 @@ def test_a_llama_style_prompt_trains_and_shows_in_the_completions_table(make_con
 def test_the_table_shows_tool_marks_and_no_tool_schemas(make_config, monkeypatch, capsys):
     tokenizer = build_tool_tokenizer()
     monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted_sampler(tokenizer))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     trainer = agent_trainer(make_config, tokenizer, lambda prompts, completions, **c: [0.0] * len(completions),
                             per_device_eval_batch_size=2)
     rows = trainer.generate_completions()

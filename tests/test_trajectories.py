@@ -30,6 +30,7 @@ def says_42(prompts, completions, **columns):
 def written(make_config, tool_tokenizer, monkeypatch, tmp_path):
     """The trajectory file of a 2-update run of 3-turn episodes with turn-level GAE."""
     monkeypatch.setattr(agent_runner_module, "turn_sampler", scripted_sampler(tool_tokenizer))
+    monkeypatch.setattr(agent_runner_module.AgentRunner, "_lockstep", True)  # the script is the lockstep loop's sampler
     folder = tmp_path / "trajectories"
     trainer = agent_trainer(make_config, tool_tokenizer, says_42, trajectory_dir=str(folder), gae_level="turn")
     trainer.train()

@@ -44,3 +44,15 @@ class AgentConfig:
             "'mask' (left out of the loss)."
         },
     )
+    agent_rollout: Literal["continuous", "lockstep"] = field(
+        default="continuous",
+        metadata={
+            "help": "How multi-turn episodes are played: 'continuous' (each episode a row of one decoding batch while "
+            "its model writes; while its tool calls run the others decode on, and it joins again when they "
+            "answer, prefilling only the new tokens against its own KV cache) or 'lockstep' (every episode's turn "
+            "sampled together, then every tool call, each turn's context prefilled again: the loop until "
+            "2026-11-28). 'continuous' samples with its own KV-cache loop whatever `generation_backend` says, and "
+            "falls back to 'lockstep' where sampling is a collective (ZeRO-3 or FSDP2 over several processes) or "
+            "the model's cache is not plain full attention (sliding-window or hybrid layers)."
+        },
+    )

@@ -104,6 +104,7 @@ def train(factory, args) -> tuple[float, int]:
         return sample_turn
 
     runner.turn_sampler = scripted
+    runner.AgentRunner._lockstep = True  # the script is the lockstep loop's sampler
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip

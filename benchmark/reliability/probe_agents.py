@@ -236,6 +236,7 @@ def run_agent(case: str, output_dir: str, user_code: str | None = None) -> None:
         return sample_turn
 
     runner.turn_sampler = scripted
+    runner.AgentRunner._lockstep = True  # the script is the lockstep loop's sampler
     settings = dict(output_dir=output_dir, max_turns=2, response_length=200, total_episodes=4, stop_token="eos",
                     num_ppo_epochs=1, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                     local_rollout_forward_batch_size=2, learning_rate=1e-3, num_sample_generations=0,

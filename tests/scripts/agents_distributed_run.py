@@ -68,6 +68,7 @@ def main() -> None:
         return sample_turn
 
     real_sampler, runner.turn_sampler = runner.turn_sampler, scripted
+    runner.AgentRunner._lockstep = True  # the script is the lockstep loop's sampler
     trainer = PPOTrainer(
         args=config,
         processing_class=tokenizer,

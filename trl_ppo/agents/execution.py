@@ -14,9 +14,11 @@ A tool may return `(text, reward)`: the reward is that turn's (it lands on the m
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
 import math
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -67,32 +69,75 @@ def execute_calls(
     """The result of each call of each episode (`calls[i]` against `toolboxes[i]`), in the same order; a call
     still running after `timeout` seconds (None: no limit) is stopped and answered as an error."""
     results: list[list[ToolResult | None]] = [[None] * len(episode) for episode in calls]
-    jobs = []
-    for i, (episode_calls, tools) in enumerate(zip(calls, toolboxes)):
-        in_order = []  # this episode's sync calls: (index, name, zero-argument callable)
-        for j, call in enumerate(episode_calls):
-            problem, bound = _bind(call, tools)
-            if problem is not None:
-                results[i][j] = ToolResult(call.name, problem, error=True)
-            elif tools[call.name].is_async:
-                jobs.append(_async_call(results[i], j, call.name, bound, timeout))
-            else:
-                in_order.append((j, call.name, bound))
-        if in_order:
-            jobs.append(_sync_calls(results[i], in_order, timeout))
+    jobs = [job for i in range(len(calls)) for job in _episode_jobs(calls[i], toolboxes[i], timeout, results[i])]
     if jobs:
-        # Each call waits at most `timeout` for a thread and `timeout` to return, an episode's calls one by one; a
-        # loop still busy after that is blocked by an async tool that never awaits: its calls are given up.
-        longest = max(len(episode) for episode in calls)
         try:
-            async_loop.run(_all(jobs), None if timeout is None else 2 * timeout * longest + LOOP_GRACE)
+            async_loop.run(_all(jobs), _loop_bound(calls, timeout))
         except TimeoutError:  # the calls not answered yet are answered below
             pass
-        for episode_calls, episode_results in zip(calls, results):
-            for j, call in enumerate(episode_calls):
-                if episode_results[j] is None:
-                    episode_results[j] = _as_result(call.name, _TIMED_OUT, timeout)
+    for episode_calls, episode_results in zip(calls, results):
+        _answer_the_rest(episode_calls, episode_results, timeout)
     return results
+
+
+class PendingCalls:
+    """One episode's calls started on the run's loop and in threads, without waiting for them (the episode engine
+    samples the other episodes meanwhile): `done()` says when `results()` will not wait. Bounded as
+    `execute_calls` bounds a batch's calls."""
+
+    def __init__(self, calls: list[ToolCall], tools: dict[str, Tool], timeout: float | None) -> None:
+        self.calls, self.timeout, self._results = calls, timeout, [None] * len(calls)
+        jobs = _episode_jobs(calls, tools, timeout, self._results)
+        self.future = asyncio.run_coroutine_threadsafe(_all(jobs), async_loop.event_loop()) if jobs else None
+        bound = _loop_bound([calls], timeout)
+        self.deadline = None if bound is None else time.monotonic() + bound
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done() or self.overdue()
+
+    def overdue(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def results(self) -> list[ToolResult]:
+        """The calls' results (waiting for them up to the bound); those not answered by then, as timeouts."""
+        if self.future is not None and not self.future.done():
+            remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+            try:
+                self.future.result(remaining)
+            except concurrent.futures.TimeoutError:  # an async tool that never awaits blocks the loop
+                self.future.cancel()
+        _answer_the_rest(self.calls, self._results, self.timeout)
+        return self._results
+
+
+def _episode_jobs(calls: list[ToolCall], tools: dict[str, Tool], timeout: float | None, results: list) -> list:
+    """The coroutines that fill `results` (one slot per call) with one episode's calls; calls that cannot be bound
+    to a tool are answered at once. The async calls run side by side, the sync ones in the order written."""
+    jobs, in_order = [], []  # in_order: this episode's sync calls, (index, name, zero-argument callable)
+    for j, call in enumerate(calls):
+        problem, bound = _bind(call, tools)
+        if problem is not None:
+            results[j] = ToolResult(call.name, problem, error=True)
+        elif tools[call.name].is_async:
+            jobs.append(_async_call(results, j, call.name, bound, timeout))
+        else:
+            in_order.append((j, call.name, bound))
+    if in_order:
+        jobs.append(_sync_calls(results, in_order, timeout))
+    return jobs
+
+
+def _loop_bound(calls: list[list[ToolCall]], timeout: float | None) -> float | None:
+    """How long the loop may take over `calls`: each call waits at most `timeout` for a thread and `timeout` to
+    return, an episode's calls one by one; a loop still busy after that is blocked by an async tool that never
+    awaits, and its calls are given up."""
+    return None if timeout is None else 2 * timeout * max(map(len, calls), default=0) + LOOP_GRACE
+
+
+def _answer_the_rest(calls: list[ToolCall], results: list, timeout: float | None) -> None:
+    for j, call in enumerate(calls):
+        if results[j] is None:
+            results[j] = _as_result(call.name, _TIMED_OUT, timeout)
 
 
 async def _all(jobs) -> None:

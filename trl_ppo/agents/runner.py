@@ -14,12 +14,17 @@ from transformers.utils import logging
 
 from .. import distributed as dist
 from .. import ppo
+from ..compat import cache_keyword
 from ..config_checks import stop_and_penalty_tokens
 from ..data import LeftPaddingCollator, check_fits_context, is_conversational, prompts_on_device
 from ..deadlines import Deadlines, UserCallError
+from ..fsdp import root_call
 from ..models import context_length
 from ..rewards import Reward
 from ..rollout import Rollout, Sampling, add_logprobs_and_values, sample_responses
+from ..rollout.agreement import agreement_metrics, agreement_sums
+from ..rollout.collect import policy_sampling
+from ..rollout.engine import CacheNotPlain, TurnLimits, play_episodes
 from ..rollout.turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
 from .chat import ToolChat
 from .environments import Environments, close_environments, environment_reward, make_environment
@@ -61,6 +66,8 @@ def check_agent_config(args, tools, environment_factory, has_tools: bool | None 
 
 class AgentRunner:
     """Multi-turn episodes with `tools` (plain functions) and/or an `environment_factory`; see the module."""
+
+    _lockstep = False  # True once the model's cache was found unfit for continuous batching (`rollout.engine`)
 
     def __init__(self, args, tokenizer, tools, environment_factory, stop_token_id: int | None, columns) -> None:
         self.tokenizer, self.tools = tokenizer, tool_list(tools or [])
@@ -144,21 +151,39 @@ class AgentRunner:
         start = functools.partial(self.start_episodes, batch, args, context)  # a failure stops every process
         episodes = dist.checked_on_every_process(start, device, "environments", (Exception,), "failed", UserCallError)
         sync = dist.weights_are_sharded(models.accelerator) and models.accelerator.num_processes > 1
-        run_turns(
-            episodes,
-            turn_sampler(models, sampling),
-            self.chat,
-            args.max_turns,
-            args.response_length,
-            args.max_tool_response_length,
-            tool_timeout=args.tool_timeout,
-            any_process=(lambda flag: not dist.all_processes(not flag, device)) if sync else None,
-            idle_context=[sampling.pad_token_id],
-        )
+        lockstep = sync or self._lockstep or args.agent_rollout == "lockstep"
+        if not lockstep:
+            try:
+                self._play_continuous(episodes, models, sampling, args)
+            except CacheNotPlain as reason:  # raised at the first prefill, before any token was drawn
+                logger.warning(f"`agent_rollout='continuous'` needs a plain KV cache and {reason}: episodes are "
+                               "played in lockstep instead.")
+                lockstep = self._lockstep = True
+        if lockstep:
+            run_turns(
+                episodes,
+                turn_sampler(models, sampling),
+                self.chat,
+                args.max_turns,
+                args.response_length,
+                args.max_tool_response_length,
+                tool_timeout=args.tool_timeout,
+                any_process=(lambda flag: not dist.all_processes(not flag, device)) if sync else None,
+                idle_context=[sampling.pad_token_id],
+            )
         batch["environments"] = [episode.environment for episode in episodes]
         self.episodes = episodes
         rollout = episodes_rollout(episodes, sampling.pad_token_id, args.response_length, device)
         return add_logprobs_and_values(rollout, models, args)
+
+    def _play_continuous(self, episodes: list[Episode], models, sampling: Sampling, args) -> None:
+        """Play the episodes with continuous batching over their turns (`rollout.engine`)."""
+        limits = TurnLimits(args.max_turns, args.response_length, sampling.stop_token_id, sampling.temperature,
+                            args.max_tool_response_length, args.tool_timeout)  # fmt: skip
+        wrapper = models.wrapper
+        forward = lambda **inputs: root_call(wrapper, lambda module: module.lm(**inputs))  # noqa: E731
+        with torch.no_grad(), policy_sampling(models, sampling):
+            play_episodes(episodes, forward, models.accelerator.device, cache_keyword(wrapper.lm), self.chat, limits)
 
     # ----------------------------------------------------------------------------------- rewards, metrics
     def environment_reward(self) -> Reward | None:
@@ -175,7 +200,8 @@ class AgentRunner:
         update), `env/tool_timeouts` (of those, calls stopped at `tool_timeout` seconds),
         `env/truncated_frac` (episodes cut by the budget or `max_turns`), `env/truncated_tool_responses` and
         `val/env_token_frac` (of the tokens after the prompts, those of tools and environments), over all
-        processes."""
+        processes; and with the sampler's log-probs (`agent_rollout='continuous'`), `rollout/logprob_diff_*`
+        (`rollout.agreement`)."""
         episodes = self.episodes
         if rollout.turn_rewards is None:  # episodes given to `step()`, not played here
             return {}
@@ -202,7 +228,16 @@ class AgentRunner:
             "env/truncated_frac": truncated / max(count, 1),
             "env/truncated_tool_responses": cut,
             "val/env_token_frac": env_tokens / max(tokens, 1),
-        }
+        } | self._agreement(rollout, accelerator)
+
+    @staticmethod
+    def _agreement(rollout: Rollout, accelerator) -> dict[str, float]:
+        """`rollout/logprob_diff_*` where every process recorded its sampler's log-probs (else nothing)."""
+        recorded = rollout.sampler_logprobs is not None
+        if not dist.all_processes(recorded, accelerator.device):
+            return {}
+        sums = agreement_sums(rollout.sampler_logprobs, rollout.logprobs, rollout.response_mask)
+        return agreement_metrics(accelerator.gather(sums[None]))
 
 
 def fit_query(query: list[int], max_prompt_length: int | None, response_length: int, context: int | None) -> list[int]:

@@ -5,6 +5,7 @@ log-probabilities from hidden states are in `logprobs.py`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -66,25 +67,35 @@ def sample_responses(
     )
     accelerator, wrapper = models.accelerator, models.wrapper
     settings["synced_processes"] = dist.sampling_needs_sync(accelerator, sampling.gather_weights)
-    with dist.gathered_for_generation(models.model, wrapper, accelerator, sampling.gather_weights):
+    with policy_sampling(models, sampling):
+        parts = list(chunks(queries.size(0), sampling.chunk_size))
+        own = len(parts)
+        if settings["synced_processes"]:  # every forward is a collective: as many calls as the busiest process
+            calls = dist.max_over_processes(len(parts), accelerator.device)
+            parts += [slice(0, 1)] * (calls - len(parts))  # extra calls on one row, their tokens dropped
+        responses = [
+            root_call(wrapper, lambda module, part=part: sample(
+                module.lm, queries[part], query_mask[part], pad_token_id=sampling.pad_token_id, **settings
+            ))
+            for part in parts
+        ][:own]
+    return torch.cat(responses)
+
+
+@contextlib.contextmanager
+def policy_sampling(models: PreparedModels, sampling: Sampling):
+    """The policy ready to sample, for the duration of the block: its weights gathered where they are sharded
+    (`ds3_gather_for_generation`), eval mode (gradient checkpointing would turn the KV cache off in training mode),
+    the accelerator's autocast."""
+    wrapper = models.wrapper
+    with dist.gathered_for_generation(models.model, wrapper, models.accelerator, sampling.gather_weights):
         was_training = wrapper.training
-        wrapper.eval()  # gradient checkpointing would turn the KV cache off in training mode
+        wrapper.eval()
         try:
-            parts = list(chunks(queries.size(0), sampling.chunk_size))
-            own = len(parts)
-            if settings["synced_processes"]:  # every forward is a collective: as many calls as the busiest process
-                calls = dist.max_over_processes(len(parts), accelerator.device)
-                parts += [slice(0, 1)] * (calls - len(parts))  # extra calls on one row, their tokens dropped
-            with accelerator.autocast():
-                responses = [
-                    root_call(wrapper, lambda module, part=part: sample(
-                        module.lm, queries[part], query_mask[part], pad_token_id=sampling.pad_token_id, **settings
-                    ))
-                    for part in parts
-                ][:own]
+            with models.accelerator.autocast():
+                yield
         finally:
             wrapper.train(was_training)
-    return torch.cat(responses)
 
 
 # ------------------------------------------------------------------------------------ logprobs and values

@@ -21,6 +21,7 @@ PER_TOKEN_FIELDS = (
     "full_kl",
     "advantages",
     "returns",
+    "sampler_logprobs",
 )
 
 
@@ -45,6 +46,9 @@ class Rollout:
     turn_rewards: torch.Tensor | None = None  # [B, K] per-turn rewards of multi-turn episodes (`agents`), or None
     # [B] bool: cut before their end (by the budget, `max_turns`, no room for the model); None where not known
     truncated: torch.Tensor | None = None
+    # [B, T] log-prob of each model token under the sampler that drew it (INVALID_LOGPROB elsewhere): the episode
+    # engine's, to measure how far the training forward's `logprobs` are from what was sampled; None: not recorded
+    sampler_logprobs: torch.Tensor | None = None
 
     @property
     def response_length(self) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from .. import ppo
 from ..agents.chat import ToolChat
 from ..agents.execution import ToolCall, ToolResult, execute_calls, unparsed_call
 from ..agents.tools import Tool
@@ -44,6 +45,8 @@ class Episode:
     truncated_answers: int = 0  # tool answers cut to `max_tool_response_length`
     truncated: bool = False  # ended by the budget (or by `max_turns`) with the model still working
     done: bool = False
+    # the sampler's log-prob of each token of `response` (0.0 on tool tokens), where the sampler gives them
+    sampler_logprobs: list[float] = field(default_factory=list)
 
     @property
     def context(self) -> list[int]:
@@ -152,6 +155,10 @@ def episodes_rollout(episodes: list[Episode], pad_token_id: int, response_length
     turns = max(episode.turns for episode in episodes)
     turn_rewards = torch.tensor([e.turn_rewards + [0.0] * (turns - e.turns) for e in episodes], device=device)
     truncated = torch.tensor([episode.truncated for episode in episodes], device=device)
+    sampler_logprobs = None
+    if all(len(episode.sampler_logprobs) == len(episode.response) for episode in episodes):
+        rows = [episode.sampler_logprobs for episode in episodes]
+        sampler_logprobs = padded(rows, 0.0, torch.float32).masked_fill(~response_mask, ppo.INVALID_LOGPROB)
     return Rollout(
         queries,
         query_mask,
@@ -160,4 +167,5 @@ def episodes_rollout(episodes: list[Episode], pad_token_id: int, response_length
         response_attention_mask=attended,
         turn_rewards=turn_rewards,
         truncated=truncated,
+        sampler_logprobs=sampler_logprobs,
     )
