@@ -4,6 +4,8 @@
 * `generation.py`: the sampling backends (a KV-cache loop, transformers' `generate`, compiled variants).
 * `collect.py`: one-turn rollouts: sample, then the log-probs and values the update needs.
 * `turn_loop.py`: multi-turn episodes played in lockstep (tool calls parsed and answered between turns).
+* `engine.py`: multi-turn episodes with continuous batching over their turns, KV caches kept across tool calls.
+* `agreement.py`: the sampler's log-probs against the training forward's (`rollout/logprob_diff_*`).
 
 What it may touch: the models (read-only, under `torch.no_grad`), the tokenizer and chat templates (`agents.chat`),
 and tool execution (`agents.execution`); never the optimizer, the loss or the trainer's state.

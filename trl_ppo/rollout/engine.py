@@ -31,7 +31,7 @@ import torch
 from ..agents.chat import ToolChat
 from ..agents.execution import PendingCalls
 from ..compat import returned_cache
-from .turn_loop import Episode, _add_model_turn, _add_tool_answers
+from .turn_loop import Episode, add_model_turn, add_tool_answers
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each `[B, H, L, D]`
 
@@ -92,7 +92,7 @@ def play_episodes(
 def _end_turn(row: _Row, chat: ToolChat, limits: TurnLimits) -> bool:
     """Append the finished turn to its episode and start its tool calls -> whether the episode waits for them."""
     episode = row.episode
-    calls = _add_model_turn(episode, row.turn, chat, limits.budget)
+    calls = add_model_turn(episode, row.turn, chat, limits.budget)
     episode.sampler_logprobs += row.turn_logprobs
     row.pending, row.turn, row.turn_logprobs = [row.turn[-1]], [], []  # the last token was never fed
     if calls is not None and episode.turns >= limits.max_turns:
@@ -118,7 +118,7 @@ def _answered(waiting: list[_Row], chat: ToolChat, limits: TurnLimits, block: bo
             still.append(row)
             continue
         episode, before = row.episode, len(row.episode.response)
-        _add_tool_answers(episode, row.calls.results(), chat, limits.budget, limits.max_tool_response_length)
+        add_tool_answers(episode, row.calls.results(), chat, limits.budget, limits.max_tool_response_length)
         row.calls = None
         added = episode.response[before:]
         episode.sampler_logprobs += [0.0] * len(added)
@@ -178,13 +178,11 @@ class _DecodingBatch:
         """Draw one token for every row; rows whose turn ended (stop token, or no room left) leave the batch with
         their caches -> those rows. The others' tokens go through the model."""
         log_probs = torch.log_softmax(self.logits.float() / self.temperature, dim=-1)
-        tokens = []
-        for row, row_log_probs in zip(self.rows, log_probs):
-            token = torch.multinomial(row_log_probs.exp(), 1, generator=row.generator)
-            tokens.append(token)
-            row.turn.append(int(token))
-            row.turn_logprobs.append(float(row_log_probs[token]))
-        tokens = torch.cat(tokens)
+        probs = log_probs.exp()
+        tokens = torch.cat([torch.multinomial(p, 1, generator=row.generator) for row, p in zip(self.rows, probs)])
+        for row, token, log_prob in zip(self.rows, tokens.tolist(), log_probs.gather(1, tokens[:, None]).tolist()):
+            row.turn.append(token)
+            row.turn_logprobs.append(log_prob[0])
         stop, budget = limits.stop_token_id, limits.budget
         ended = [i for i, row in enumerate(self.rows) if row.turn[-1] == stop or row.room(budget) <= 0]
         finished = self._remove(ended)

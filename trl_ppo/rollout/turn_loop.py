@@ -85,7 +85,7 @@ def run_turns(
         written = sample_turn([episode.context for episode in active], room)
         calling = []
         for episode, ids in zip(active, written):
-            calls = _add_model_turn(episode, list(ids)[: budget - len(episode.response)], chat, budget)
+            calls = add_model_turn(episode, list(ids)[: budget - len(episode.response)], chat, budget)
             if calls is not None and turn == max_turns - 1:
                 episode.done = episode.truncated = True  # its calls would never be answered
             elif calls is not None:
@@ -93,11 +93,11 @@ def run_turns(
         toolboxes = [episode.tools for episode, _ in calling]
         results = execute_calls([calls for _, calls in calling], toolboxes, tool_timeout)
         for (episode, _), answers in zip(calling, results):
-            _add_tool_answers(episode, answers, chat, budget, max_tool_response_length)
+            add_tool_answers(episode, answers, chat, budget, max_tool_response_length)
     return episodes
 
 
-def _add_model_turn(episode: Episode, ids: list[int], chat: ToolChat | None, budget: int) -> list[ToolCall] | None:
+def add_model_turn(episode: Episode, ids: list[int], chat: ToolChat | None, budget: int) -> list[ToolCall] | None:
     """Append the model's turn -> its tool calls, or None when the episode ends with it."""
     prefix = episode.context
     episode.response += ids
@@ -119,7 +119,7 @@ def _add_model_turn(episode: Episode, ids: list[int], chat: ToolChat | None, bud
     return calls
 
 
-def _add_tool_answers(
+def add_tool_answers(
     episode: Episode, answers: list[ToolResult], chat: ToolChat, budget: int, max_tokens: int | None
 ) -> None:
     """Append a turn's tool answers (ended instead when they would leave no room for the model)."""
