@@ -1,22 +1,24 @@
 """Where the memory of `make demo-agent` goes (issue 54, part 3): the demo's trainer (SmolLM2-135M-Instruct from
 the cached tool warm start, PPO with a value head, 8 episodes per update) run for `--updates` updates, then the
-held-out evaluation on `--held_out` problems, with the process's peak RSS measured per phase: the peak is reset
-(`/proc/self/clear_refs`, Linux) when a phase starts and read (`VmHWM`) when it ends.
+held-out evaluation on `--held_out` problems, with the process's RSS measured per phase: when a phase starts, the
+memory freed before it is handed back to the system (`malloc_trim`), its RSS read and the peak reset
+(`/proc/self/clear_refs`, Linux); the peak (`VmHWM`) is read when it ends.
 
     OMP_NUM_THREADS=1 python benchmark/agents/agent_memory.py --updates 2 --held_out 25
 
 Phases: `load` (the warm start and the trainer built: reference copy, value head, optimizer), `rollout` (sampling
 and the no-grad log-probs and values), `score`, `update` (the PPO epochs), `evaluate` (greedy held-out episodes,
-`smollm2_tool_agent.evaluate`). The row (peak GB per phase, the process's peak, the commit) goes to `--out`.
+`smollm2_tool_agent.evaluate`). The row (RSS at the start and peak per phase, in GB; the largest peak; the commit)
+goes to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -28,19 +30,25 @@ sys.path[:0] = [os.path.join(ROOT, "examples", "scripts")]
 OUT = os.path.join(HERE, "agent_memory.jsonl")
 
 
-def peak_rss_gb() -> float:
-    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 2**20
+def rss_gb(field: str) -> float:
+    """`VmRSS` (now) or `VmHWM` (the peak since the last reset) of this process, in GB."""
+    return int(re.search(field + r":\s+(\d+)", open("/proc/self/status").read()).group(1)) / 2**20
 
 
 @contextmanager
 def phase(peaks: dict, name: str):
-    """Record the peak RSS of the block under `name` (the largest over repeated blocks)."""
+    """Record the RSS when the block starts and its peak during the block under `name` (the largest over
+    repeated blocks). Memory freed before the block is first handed back to the system (`malloc_trim`), so that
+    the start is what is alive, not what the allocator kept."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # the peak starts again from the current RSS
+    start = rss_gb("VmRSS")
     try:
         yield
     finally:
-        peaks[name] = round(max(peaks.get(name, 0.0), peak_rss_gb()), 2)
+        old = peaks.get(name, {"start": 0.0, "peak": 0.0})
+        peaks[name] = {"start": round(max(old["start"], start), 2), "peak": round(max(old["peak"], rss_gb("VmHWM")), 2)}
 
 
 def measured(peaks: dict, name: str, method):
@@ -80,7 +88,7 @@ def main(argv=None) -> None:
     with phase(peaks, "evaluate"):
         result = agent.evaluate(policy, tokenizer, held_out, demo)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    row = {"peak_gb": peaks, "process_peak_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+    row = {"rss_gb": peaks, "peak_gb": max(phase["peak"] for phase in peaks.values()),
            "updates": args.updates, "held_out": args.held_out, "success": result["success"],
            "agent_rollout": getattr(trainer.args, "agent_rollout", "lockstep"), "note": args.note,
            "commit": commit.stdout.strip(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
