@@ -165,6 +165,7 @@ def test_the_agreement_metrics_on_hand_worked_numbers():
     assert metrics["rollout/logprob_diff_ratio_outside"] == pytest.approx(2 / 5)
 
 
+@pytest.mark.slow  # a whole run: `make test` has it, the quick loop (3 minutes) does not
 @needs_tool_parsing
 def test_train_plays_continuously_by_default_and_logs_the_sampler_agreement(make_config):
     """A run with tools and an environment, sampled by the tiny random policy through the engine: the sampler's
