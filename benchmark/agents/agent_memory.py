@@ -8,8 +8,8 @@ memory freed before it is handed back to the system (`malloc_trim`), its RSS rea
 
 Phases: `load` (the warm start and the trainer built: reference copy, value head, optimizer), `rollout` (sampling
 and the no-grad log-probs and values), `score`, `update` (the PPO epochs), `evaluate` (greedy held-out episodes,
-`smollm2_tool_agent.evaluate`). The row (RSS at the start and peak per phase, in GB; the largest peak; the commit)
-goes to `--out`.
+`smollm2_tool_agent.evaluate`). The row (RSS at the start and peak per phase, in GB, and its CPU seconds; the
+largest peak; the commit) goes to `--out`.
 """
 
 from __future__ import annotations
@@ -38,17 +38,18 @@ def rss_gb(field: str) -> float:
 @contextmanager
 def phase(peaks: dict, name: str):
     """Record the RSS when the block starts and its peak during the block under `name` (the largest over
-    repeated blocks). Memory freed before the block is first handed back to the system (`malloc_trim`), so that
+    repeated blocks), and its CPU seconds (summed over repeated blocks). Memory freed before the block is first handed back to the system (`malloc_trim`), so that
     the start is what is alive, not what the allocator kept."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # the peak starts again from the current RSS
-    start = rss_gb("VmRSS")
+    start, cpu = rss_gb("VmRSS"), time.process_time()
     try:
         yield
     finally:
-        old = peaks.get(name, {"start": 0.0, "peak": 0.0})
-        peaks[name] = {"start": round(max(old["start"], start), 2), "peak": round(max(old["peak"], rss_gb("VmHWM")), 2)}
+        old = peaks.get(name, {"start": 0.0, "peak": 0.0, "cpu_s": 0.0})
+        peaks[name] = {"start": round(max(old["start"], start), 2), "peak": round(max(old["peak"], rss_gb("VmHWM")), 2),
+                       "cpu_s": round(old["cpu_s"] + time.process_time() - cpu, 1)}  # fmt: skip
 
 
 def measured(peaks: dict, name: str, method):
