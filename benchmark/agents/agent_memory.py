@@ -38,8 +38,8 @@ def rss_gb(field: str) -> float:
 @contextmanager
 def phase(peaks: dict, name: str):
     """Record the RSS when the block starts and its peak during the block under `name` (the largest over
-    repeated blocks), and its CPU seconds (summed over repeated blocks). Memory freed before the block is first handed back to the system (`malloc_trim`), so that
-    the start is what is alive, not what the allocator kept."""
+    repeated blocks), and its CPU seconds (summed over repeated blocks). Memory freed before the block is first
+    handed back to the system (`malloc_trim`), so that the start is what is alive, not what the allocator kept."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # the peak starts again from the current RSS
