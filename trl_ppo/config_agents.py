@@ -51,7 +51,8 @@ class AgentConfig:
             "its model writes; while its tool calls run the others decode on, and it joins again when they "
             "answer, prefilling only the new tokens against its own KV cache) or 'lockstep' (every episode's turn "
             "sampled together, then every tool call, each turn's context prefilled again: the loop until "
-            "2026-11-28). 'continuous' samples with its own KV-cache loop whatever `generation_backend` says, and "
+            "2026-11-28). 'continuous' samples with its own KV-cache loop whatever `generation_backend` says, all of "
+            "a process's episodes in one decoding batch (`local_rollout_forward_batch_size` does not split it), and "
             "falls back to 'lockstep' where sampling is a collective (ZeRO-3 or FSDP2 over several processes) or "
             "the model's cache is not plain full attention (sliding-window or hybrid layers)."
         },
