@@ -209,6 +209,20 @@ def test_a_critic_free_estimator_trains_whole_groups_on_every_process(tmp_path, 
     assert "loss/value_avg" not in logged and 0 <= logged["objective/frac_reward_zero_std"] <= 1
 
 
+@pytest.mark.parametrize("layout", ["zero2", "fsdp2"])
+def test_the_critics_own_rate_under_deepspeed_and_fsdp2(tmp_path, extensions_dir, layout):
+    """`critic_learning_rate`'s parameter groups go through DeepSpeed's engine and FSDP2's sharded parameters: the
+    schedule moves both rates (linear decay over 2 updates: the first update's rates), and both models train."""
+    report_dir = tmp_path / layout
+    reports = launch(layout, report_dir, "--critic_learning_rate", "5e-3", *STOP_AT_EOS, extensions_dir=extensions_dir)
+    check_ranks_agree(reports, report_dir)
+    first = reports[0]["log_history"][0]
+    assert first["lr"] == pytest.approx(1e-3) and first["lr_critic"] == pytest.approx(5e-3)
+    final = weights(report_dir)
+    assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
+    assert max_difference(final, initial_weights(report_dir), "value_model.") > 1e-4
+
+
 def test_zero2_bf16_reference_is_in_the_policys_precision(tmp_path, extensions_dir):
     # DeepSpeed casts the policy's parameters to bf16; the frozen reference must be cast the same way, or the KL
     # of the first update (policy == reference) is not 0.

@@ -46,13 +46,15 @@ SECTIONS = (
      "num_ppo_epochs local_rollout_forward_batch_size train_forward_batch_size logprobs_chunk_size"),
     ("PPO losses and advantages", "learning_rate advantage_estimator num_generations scale_rewards cliprange "
      "cliprange_value vf_coef value_head_init gamma lam gae_level whiten_rewards loss_agg_mode max_grad_norm"),
+    ("the critic: how GAE's value function learns", "critic_learning_rate num_critic_epochs critic_warmup_steps "
+     "critic_warmup_epochs lam_value"),
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
     ("agents: tools and environments", "max_turns max_tool_response_length tool_chat_template truncated_episodes"),
     ("deadlines on your code: tools, environments, reward functions", "tool_timeout environment_timeout "
      "reward_timeout user_call_retries user_call_backoff"),
-    ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef critic_warmup_steps "
-     "num_critic_epochs lam_value length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
+    ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef "
+     "length_adaptive_lam_alpha kl_loss_coef kl_loss_estimator"),
     ("stability guards", "early_stopping target_kl ratio_threshold skip_nonfinite_updates "
      "skip_zero_gradient_steps"),
     ("logging, saving, evaluation", "logging_steps report_to save_strategy save_steps save_value_model "

@@ -14,6 +14,7 @@ from typing import Literal
 from transformers import TrainingArguments
 
 from .config_agents import AgentConfig
+from .config_critic import CriticConfig
 from .config_deadlines import DeadlineConfig
 from .config_estimators import EstimatorConfig
 from .config_fields import check_fields, check_interval_steps
@@ -185,10 +186,11 @@ class OnPolicyConfig(TrainingArguments):
 
 
 @dataclass
-class PPOConfig(AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
+class PPOConfig(CriticConfig, AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
     """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report), the
     advantage estimator with its samples per prompt (`EstimatorConfig`), the deadlines on calls into user code
-    (`DeadlineConfig`) and the shape of multi-turn episodes (`AgentConfig`)."""
+    (`DeadlineConfig`), the shape of multi-turn episodes (`AgentConfig`) and how the critic learns
+    (`CriticConfig`)."""
 
     exp_name: str = field(default="ppo_config", metadata={"help": "Name of this experiment."})
     reward_model_path: str = field(
@@ -291,14 +293,6 @@ class PPOConfig(AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
             "2026-11-26). Episodes of one turn get the token-level numbers either way."
         },
     )
-    num_critic_epochs: int = field(
-        default=1,
-        metadata={
-            "help": "Epochs of the value function per PPO epoch: each PPO epoch (policy and value) is followed by "
-            "`num_critic_epochs - 1` value-only epochs over fresh minibatches, so the critic learns faster than "
-            "the policy (Turn-PPO, SAO). 1: the value trains with the policy only."
-        },
-    )
 
     # Options of large-scale RL systems (veRL, OpenRLHF, NeMo-RL, ROLL, slime); all off by default.
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
@@ -341,21 +335,6 @@ class PPOConfig(AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
         metadata={
             "help": "Entropy bonus: `entropy_coef * entropy` (aggregated as `loss_agg_mode`) is subtracted "
             "from the loss. 0: off."
-        },
-    )
-    critic_warmup_steps: int = field(
-        default=0,
-        metadata={
-            "help": "The first N updates train only the value function: rollouts are sampled and logged, but the "
-            "policy's weights and optimizer state are left untouched (with a value head on the policy's backbone, "
-            "only the head trains). 0: off."
-        },
-    )
-    lam_value: float | None = field(
-        default=None,
-        metadata={
-            "help": "Decoupled GAE (VAPO): the lambda of the value targets (returns); `lam` stays the advantages' "
-            "lambda. VAPO uses 1.0. None: `lam`."
         },
     )
     length_adaptive_lam_alpha: float | None = field(

@@ -261,11 +261,22 @@ def _validate_ppo_config(args: PPOConfig) -> None:
             fail(f"`{name}` must be in [0, 1], got {getattr(args, name)}.")
     if args.gae_level not in ("token", "turn"):
         fail(f"Unknown `gae_level` {args.gae_level!r}: use 'token' (GAE over model tokens) or 'turn' (over turns).")
+    _validate_critic_options(args)
+    _validate_large_scale_options(args)
+    _validate_estimator(args)
+
+
+def _validate_critic_options(args: PPOConfig) -> None:
+    """The critic's own settings (`config_critic.py`)."""
     if args.num_critic_epochs < 1:
         fail(f"`num_critic_epochs` must be at least 1 (1: the value trains with the policy only), got "
              f"{args.num_critic_epochs}.")
-    _validate_large_scale_options(args)
-    _validate_estimator(args)
+    if args.critic_learning_rate is not None and not args.critic_learning_rate > 0:
+        fail(f"`critic_learning_rate` must be > 0 (or None: the value function trains at `learning_rate`), got "
+             f"{args.critic_learning_rate}.")
+    if args.critic_warmup_epochs is not None and args.critic_warmup_epochs < 1:
+        fail(f"`critic_warmup_epochs` must be at least 1 (or None: `num_ppo_epochs * num_critic_epochs`), got "
+             f"{args.critic_warmup_epochs}.")
 
 
 def _validate_large_scale_options(args: PPOConfig) -> None:
@@ -311,8 +322,10 @@ def _validate_large_scale_options(args: PPOConfig) -> None:
 
 # The options of the critic (GAE's value function) with their "off" values: a critic-free estimator refuses others.
 CRITIC_OPTIONS = (
+    ("critic_learning_rate", None),
     ("num_critic_epochs", 1),
     ("critic_warmup_steps", 0),
+    ("critic_warmup_epochs", None),
     ("lam_value", None),
     ("length_adaptive_lam_alpha", None),
     ("value_head_init", "zeros"),

@@ -34,6 +34,7 @@ MIN_TEMPERATURE = 1e-6
 # (field, lowest, highest, why): each bound inclusive, None for none; every value must also be finite.
 BOUNDS = (
     ("learning_rate", 0.0, 1.0, "AdamW moves each weight by about `learning_rate` per step; usual: 1e-7 to 1e-3"),
+    ("critic_learning_rate", 0.0, 1.0, "the value function's own AdamW rate; None: `learning_rate`"),
     ("weight_decay", 0.0, None, "usual: 0 to 0.1"),
     ("max_grad_norm", 0.0, None, "0 disables clipping; a negative norm reverses every update"),
     ("temperature", MIN_TEMPERATURE, None, "sampling is greedy to float precision below it; usual: 0.6 to 1.2"),
@@ -98,7 +99,8 @@ def check_finite_fields(config) -> None:
 
 def check_bounds(config, renamed: dict[str, str] | None = None) -> None:
     """The fields of `BOUNDS` that `config` has, within their bounds; `renamed` maps a `BOUNDS` name to the
-    config's own name for it. Also `learning_rate * weight_decay` < 1, `adam_epsilon` > 0 and the seeds."""
+    config's own name for it. Also `learning_rate * weight_decay` < 1 (and `critic_learning_rate`'s), `adam_epsilon`
+    > 0 and the seeds."""
     renamed = renamed or {}
     for field, low, high, why in BOUNDS:
         name = renamed.get(field, field)
@@ -109,12 +111,14 @@ def check_bounds(config, renamed: dict[str, str] | None = None) -> None:
             raise ValueError(f"`{name}` must be >= {low:g}, got {value} ({why}).")
         if high is not None and not value <= high:
             raise ValueError(f"`{name}` must be at most {high:g}, got {value} ({why}).")
-    learning_rate, weight_decay = getattr(config, "learning_rate", 0.0), getattr(config, "weight_decay", None)
-    if weight_decay is not None and learning_rate * weight_decay >= 1:
-        raise ValueError(
-            f"`learning_rate * weight_decay` must be < 1 (AdamW shrinks every weight by that share per step), got "
-            f"{learning_rate} * {weight_decay}: lower `weight_decay` (usual values: 0 to 0.1)."
-        )
+    weight_decay = getattr(config, "weight_decay", None)
+    for name in ("learning_rate", "critic_learning_rate"):
+        learning_rate = getattr(config, name, None)
+        if weight_decay is not None and learning_rate is not None and learning_rate * weight_decay >= 1:
+            raise ValueError(
+                f"`{name} * weight_decay` must be < 1 (AdamW shrinks every weight by that share per step), got "
+                f"{learning_rate} * {weight_decay}: lower `weight_decay` (usual values: 0 to 0.1)."
+            )
     if getattr(config, "adam_epsilon", 1.0) <= 0:
         raise ValueError(
             f"`adam_epsilon` must be > 0 (Adam divides by sqrt(v) + epsilon, 0 / 0 for a weight without gradient), "

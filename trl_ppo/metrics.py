@@ -14,7 +14,7 @@ from .statistics import explained_variance
 
 # Reported as of the latest update; summed over the updates since the last log (counts of events); every other
 # metric is averaged over the updates since the last log.
-LATEST_VALUE_METRICS = ("eps", "lr", "episode", "loss/skipped_updates", "objective/kl_coef")
+LATEST_VALUE_METRICS = ("eps", "lr", "lr_critic", "episode", "loss/skipped_updates", "objective/kl_coef")
 SUMMED_METRICS = ("env/tool_errors", "env/tool_timeouts", "calls/timeouts", "calls/retries")
 
 

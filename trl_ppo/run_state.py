@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerState
 
+from .critic import CriticWatch
 from .metrics import MetricsSinceLog
 from .ppo import RunningMoments
 
@@ -34,6 +35,7 @@ class RunState:
     metrics_since_log: MetricsSinceLog = field(default_factory=MetricsSinceLog)  # averaged at the next log
     policy_loss_sum: float = 0.0  # over all updates, for `TrainOutput.training_loss`
     skipped_updates: int = 0  # updates skipped for a non-finite loss (`skip_nonfinite_updates`)
+    critic_watch: CriticWatch = field(default_factory=CriticWatch)  # a critic that explains nothing: warned once
     # Which run this is (`checkpoint.ownership.new_run_id`), kept through resumes: a checkpoint never replaces, or
     # is written beside, one of another run.
     run_id: str | None = None
@@ -49,6 +51,7 @@ class RunState:
             "metrics_since_log": self.metrics_since_log.state_dict(),
             "policy_loss_sum": self.policy_loss_sum,
             "skipped_updates": self.skipped_updates,
+            "critic_watch": self.critic_watch.state_dict(),
             "run_id": self.run_id,
         }
 
@@ -59,4 +62,6 @@ class RunState:
         self.metrics_since_log.load_state_dict(state["metrics_since_log"])
         self.policy_loss_sum = state["policy_loss_sum"]
         self.skipped_updates = state["skipped_updates"]
+        if "critic_watch" in state:  # checkpoints of an older trl_ppo have none: a fresh count
+            self.critic_watch.load_state_dict(state["critic_watch"])
         self.run_id = state.get("run_id", self.run_id)  # checkpoints of an older trl_ppo have none

@@ -4,9 +4,10 @@
 coefficient → step the learning-rate schedule → log / evaluate / save. Each step is a short method that hands the
 models, the config and the run's state (`run_state.RunState`) to a piece with explicit inputs: `rollout.py`
 (sampling, log-probs, values), `rewards.py` (scores), `ppo.py` (the math), `update.py` (the PPO epochs),
-`evaluation.py`, `completions.py`, `checkpoint/` and `saving.py`. Two mixins add methods: `evaluate()` and
-`generate_completions()` (`evaluation.EvaluationMethods`), and `step()`, which runs the same steps on episodes made
-outside the trainer (`step_methods.StepMethods`).
+`evaluation.py`, `completions.py`, `checkpoint/` and `saving.py`. Three mixins add methods: `evaluate()` and
+`generate_completions()` (`evaluation.EvaluationMethods`), `step()`, which runs the same steps on episodes made
+outside the trainer (`step_methods.StepMethods`), and `create_optimizer()` with the critic's own learning rate
+(`critic.CriticMethods`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers.trainer_utils import TrainOutput
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from . import data, estimators, fsdp, ppo, preparation, reporting, saving, trajectories
+from . import critic, data, estimators, fsdp, ppo, preparation, reporting, saving, trajectories
 from . import distributed as dist
 from . import update as ppo_epochs
 from .agents.runner import agent_runner
@@ -47,7 +48,7 @@ from .step_methods import StepMethods
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(EvaluationMethods, StepMethods, OnPolicyTrainer):
+class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, OnPolicyTrainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -330,11 +331,12 @@ class PPOTrainer(EvaluationMethods, StepMethods, OnPolicyTrainer):
             self.generate_completions(sampling=True)
 
     def _update_metrics(self, rollout, rewards, update_stats: dict, scores_per_reward: dict, trained, advantages):
-        """The update's metrics over all processes, with the KL coefficient and learning rate it used, and the
-        critic's explained variance on the episodes trained on (`trained`; value targets: `advantages.returns`)."""
+        """The update's metrics over all processes, with the KL coefficient and learning rates it used, and the
+        critic's explained variance on the episodes trained on (`trained`; value targets: `advantages.returns`),
+        which `run.critic_watch` warns about once when it stays at about 0."""
         args, agents = self.args, self.agents
         turns = args.max_turns if agents is not None and args.max_turns > 1 else None  # per turn: multi-turn runs
-        return ({} if agents is None else agents.metrics(rollout, self.accelerator)) | update_metrics(
+        metrics = ({} if agents is None else agents.metrics(rollout, self.accelerator)) | update_metrics(
             rollout,
             rewards,
             update_stats,
@@ -348,6 +350,9 @@ class PPOTrainer(EvaluationMethods, StepMethods, OnPolicyTrainer):
             skipped_updates=self.run.skipped_updates if args.skip_nonfinite_updates else None,
             num_generations=args.num_generations,
         ) | critic_metrics(trained.values, advantages.returns, trained.response_mask, self.accelerator, turns)
+        metrics |= critic.learning_rates(self.lr_scheduler)  # `lr_critic` with `critic_learning_rate`
+        self.run.critic_watch.observe(metrics, self.state.global_step + 1, args.num_total_batches)
+        return metrics
 
     # ---------------------------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -74,14 +74,14 @@ def ppo_update(
     (and no non-finite loss) also `policy/early_stop_frac` (minibatches stepped / planned) and
     `policy/skipped_minibatches`; `grad_norm` is the gradient norm before clipping, one per step of the PPO epochs
     (none under DeepSpeed or fp16's loss scaler, which clip inside). `detailed` adds the stats of TRL's first
-    PPOTrainer (`detailed_stats`). The first `critic_warmup_steps` updates train only the value function, and with
-    `num_critic_epochs` > 1 each PPO epoch is followed by value-only epochs (their stats: the value loss's alone,
-    `VALUE_STATS`)."""
+    PPOTrainer (`detailed_stats`). The first `critic_warmup_steps` updates train only the value function (for
+    `critic_warmup_epochs` epochs, `epoch_plan`), and with `num_critic_epochs` > 1 each PPO epoch is followed by
+    value-only epochs (their stats: the value loss's alone, `VALUE_STATS`)."""
     episodes = rollout.with_advantages(advantages)
     stats, counts, nonfinite = defaultdict(list), {verdict: 0 for verdict in Verdict}, None
     warmup = update <= args.critic_warmup_steps
     models.model.train()
-    for minibatch, value_epoch in shuffled_minibatches(args, episodes.queries.device):
+    for minibatch, value_epoch in shuffled_minibatches(args, episodes.queries.device, warmup):
         critic_only = warmup or value_epoch
         minibatch_stats = minibatch_backward(episodes, minibatch, models, args, detailed, critic_only)
         verdict = judge_minibatch(minibatch_stats, models.accelerator, args, update)
@@ -113,7 +113,7 @@ def ppo_update(
     if not result.nonfinite:  # a cut-short update reports only its losses' stats
         device = episodes.queries.device
         if args.early_stopping:
-            planned = args.num_ppo_epochs * args.num_mini_batches
+            planned = epoch_plan(args, warmup).count(False) * args.num_mini_batches
             result.stats["policy/early_stop_frac"] = torch.tensor([counts[Verdict.STEP] / planned], device=device)
         if args.ratio_threshold is not None:
             result.stats["policy/skipped_minibatches"] = torch.tensor([float(counts[Verdict.SKIP])], device=device)
@@ -144,14 +144,22 @@ def all_finite(values: torch.Tensor, accelerator) -> bool:
     return accelerator.reduce(finite, reduction="sum").item() == accelerator.num_processes
 
 
-def shuffled_minibatches(args, device: torch.device) -> Iterator[tuple[torch.Tensor, bool]]:
-    """(episode indices of each minibatch, whether it is a value-only epoch's), `num_ppo_epochs` times over a fresh
-    permutation of this process's `local_batch_size` episodes (drawn when its epoch begins), each PPO epoch followed
-    by `num_critic_epochs - 1` value-only epochs."""
-    for _ in range(args.num_ppo_epochs):
-        for value_epoch in range(getattr(args, "num_critic_epochs", 1)):
-            for minibatch in torch.randperm(args.local_batch_size, device=device).split(args.local_mini_batch_size):
-                yield minibatch, value_epoch > 0
+def epoch_plan(args, warmup: bool = False) -> list[bool]:
+    """Whether each epoch of an update is value-only: `num_ppo_epochs` PPO epochs, each followed by
+    `num_critic_epochs - 1` value-only ones; in a warm-up update with `critic_warmup_epochs`, that many epochs, the
+    first counted as the PPO epoch (its policy stats reported; like every warm-up epoch, it trains the value alone)."""
+    warmup_epochs = getattr(args, "critic_warmup_epochs", None) if warmup else None
+    if warmup_epochs is not None:
+        return [False] + [True] * (warmup_epochs - 1)
+    return ([False] + [True] * (getattr(args, "num_critic_epochs", 1) - 1)) * args.num_ppo_epochs
+
+
+def shuffled_minibatches(args, device: torch.device, warmup: bool = False) -> Iterator[tuple[torch.Tensor, bool]]:
+    """(episode indices of each minibatch, whether it is a value-only epoch's) for each epoch of `epoch_plan`, each
+    over a fresh permutation of this process's `local_batch_size` episodes (drawn when its epoch begins)."""
+    for value_epoch in epoch_plan(args, warmup):
+        for minibatch in torch.randperm(args.local_batch_size, device=device).split(args.local_mini_batch_size):
+            yield minibatch, value_epoch
 
 
 def minibatch_backward(

@@ -33,8 +33,9 @@ MUST_MATCH = (
 # learning rate) and the run state (the KL coefficient) are restored.
 CHECKPOINT_WINS = {"learning_rate": "the optimizer and scheduler states", "kl_coef": "the run state"}
 # Settings whose change would splice two learning-rate schedules (the restored step count and base rates, this
-# run's shape and length): refused.
-SCHEDULE = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "total_episodes")
+# run's shape and length), or regroup the restored optimizer (`critic_learning_rate`): refused.
+SCHEDULE = ("lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "total_episodes",
+            "critic_learning_rate")
 # Settings whose change would put the saved position into another data order: prompts seen would be drawn again.
 DATA_ORDER = ("data_seed",)
 # Settings that choose how the advantages are estimated: a change makes it another algorithm (refused), and why.
