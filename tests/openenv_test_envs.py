@@ -46,3 +46,14 @@ class RecordedArithmetic(ArithmeticEnvironment):
             return observation
         record("call", problem=self.state.problem, tool=observation.tool_name, reward=observation.reward)
         return observation
+
+
+class NoisyGuess(GuessEnvironment):
+    """The guessing game writing 16 KiB to stderr at every reset, as a server that logs much does."""
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        import sys
+
+        sys.stderr.write("x" * 16384 + "\n")
+        sys.stderr.flush()
+        return super().reset(seed=seed, episode_id=episode_id, **kwargs)

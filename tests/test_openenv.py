@@ -335,3 +335,19 @@ def test_the_speed_benchmark_and_the_example_run(tmp_path):
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "Mean reward per episode (the server's): " in done.stdout
+
+
+@pytest.mark.slow  # a server of its own
+def test_a_server_that_logs_much_keeps_answering_and_keeps_its_log(tmp_path_factory):
+    """Its output goes to a file (`log_path`): in a pipe nobody read it would block the server after 64 KiB."""
+    from openenv.core import GenericEnvClient
+
+    server, _ = serve(tmp_path_factory, "NoisyGuess")
+    try:
+        for _ in range(12):  # 12 x 16 KiB: three times a pipe's capacity
+            with GenericEnvClient(base_url=server.url).sync() as client:
+                client.reset()
+        with open(server.log_path) as log:
+            assert log.read().count("x" * 16384) == 12
+    finally:
+        server.stop()

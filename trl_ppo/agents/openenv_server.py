@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import weakref
@@ -73,8 +74,12 @@ class OpenEnvServer:
         for flag, cls in (("--action", action), ("--observation", observation)):
             if cls is not None:
                 command += [flag, object_path(cls)]
-        self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE,
-                                        text=True)  # fmt: skip
+        # Its log goes to a file (`log_path`), never to a pipe nobody reads: a server that logs (FastMCP warns on
+        # every invalid tool call) would block once the pipe's 64 KiB were full, and its sessions time out.
+        log = tempfile.NamedTemporaryFile("w", prefix="trl_ppo-openenv-", suffix=".log", delete=False)
+        self.log_path = log.name
+        self.process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=log, stderr=log)
+        log.close()
         self._stop = weakref.finalize(self, _terminate, self.process)
         self._wait_until_healthy()
 
@@ -82,8 +87,8 @@ class OpenEnvServer:
         deadline = time.monotonic() + STARTUP_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"The OpenEnv server process ended at start (status {self.process.returncode}):\n"
-                                   f"{self.process.stderr.read()[-3000:]}")  # fmt: skip
+                raise RuntimeError(f"The OpenEnv server process ended at start (status {self.process.returncode}); "
+                                   f"its log ({self.log_path}) ends:\n{_tail(self.log_path)}")  # fmt: skip
             try:
                 if get_json(f"{self.url}/health", timeout=2.0).get("status") == "healthy":
                     return
@@ -104,6 +109,11 @@ class OpenEnvServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _tail(path: str, characters: int = 3000) -> str:
+    with open(path, encoding="utf-8", errors="replace") as log:
+        return log.read()[-characters:]
 
 
 def _terminate(process: subprocess.Popen) -> None:
