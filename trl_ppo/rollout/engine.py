@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from ..agents.chat import ToolChat
 from ..agents.execution import PendingCalls
@@ -143,8 +144,6 @@ class _DecodingBatch:
 
     def prefill(self, row: _Row) -> torch.Tensor:
         """Run the row's pending tokens through the model against its own cache -> the next token's logits `[V]`."""
-        from transformers import DynamicCache
-
         ids = torch.tensor([row.pending], dtype=torch.long, device=self.device)
         # No cache given at the first prefill: the model makes its own, of the layer kinds it needs (checked below).
         cache = {} if row.cache is None else {self.keyword: DynamicCache(ddp_cache_data=row.cache)}
@@ -216,8 +215,6 @@ class _DecodingBatch:
 
     def _feed(self, tokens: torch.Tensor) -> None:
         """One decoding step of the batch on `tokens` `[B]`."""
-        from transformers import DynamicCache
-
         width = max(self.lengths)
         lengths = torch.tensor(self.lengths, device=tokens.device)
         columns = torch.arange(width + 1, device=tokens.device)
