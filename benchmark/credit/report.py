@@ -13,6 +13,13 @@ Given the rows of a sweep (several rates on seed 0), the report prints the sweep
 summary per method and (`--plot PNG`) the learning curves of the chosen rates only.
 
     python benchmark/credit/report.py rows.jsonl --plot curves.png
+    python benchmark/credit/report.py rows.jsonl --versus "gae (turn) random critic, ..." --ev_plot ev.png
+
+With a critic, the table also gives, per seed, the first update at which the first-turn explained variance
+(`val/explained_variance/turn_1`, averaged over the last 10 updates) reached 0.5.
+`--versus METHOD` counts, per task, the seeds on which METHOD was ahead of each other method: a higher mean training
+success over the run (the area under its success curve: how fast and how far it learnt), seed against same seed.
+`--ev_plot PNG` draws the critics' first-turn explained variance per task.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import statistics
 def method(row: dict) -> str:
     """The method's name in the table, with its extra config fields (run.py --config) where it has any."""
     name = f"gae ({row['gae_level']})" if row["estimator"] == "gae" else row["estimator"]
-    extra = ", ".join(f"{k}={v}" for k, v in (row.get("config") or {}).items())
+    fields = {"value_init": "random"} if row.get("value_init") == "random" else {}
+    extra = ", ".join(f"{k}={v}" for k, v in (fields | (row.get("config") or {})).items())
     return f"{name} {extra}" if extra else name
 
 
@@ -37,7 +45,7 @@ def mean_sd(values: list[float]) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| task | method | seeds | lr | start greedy / sampled | final greedy | final sampled | episodes to 0.8 "
-             "| CPU s |", "|---" * 9 + "|"]
+             "| first-turn EV >= 0.5 at update | CPU s |", "|---" * 10 + "|"]
     cells: dict[tuple, list[dict]] = {}
     for row in rows:
         cells.setdefault((row["task"], method(row), row["lr"]), []).append(row)
@@ -46,9 +54,37 @@ def table(rows: list[dict]) -> str:
             return tuple(mean_sd([r[when][protocol] for r in mine]) for protocol in ("greedy", "sampled"))
 
         reach = ", ".join(str(r["episodes_to_0.8"] or "never") for r in mine)
+        explained = ", ".join(str(ev_reached(r) or "never") for r in mine) if "ev_turn_1" in mine[0] else "-"
         cpu = statistics.mean(r["cpu_seconds"] for r in mine)
         lines.append(f"| {task} | {name} | {len(mine)} | {lr:g} | {' / '.join(both('before'))} | "
-                     f"{' | '.join(both('final'))} | {reach} | {cpu:.0f} |")
+                     f"{' | '.join(both('final'))} | {reach} | {explained} | {cpu:.0f} |")
+    return "\n".join(lines)
+
+
+def ev_reached(row: dict, level: float = 0.5, window: int = 10) -> int | None:
+    """The first update (1-based) at which the first-turn explained variance, averaged over the last `window`
+    updates (one update's is noisy), reached `level` (None: never)."""
+    curve = row["ev_turn_1"]
+    for i in range(window - 1, len(curve)):
+        last = [ev for ev in curve[i - window + 1:i + 1] if ev is not None]
+        if last and statistics.mean(last) >= level:
+            return i + 1
+    return None
+
+
+def versus(rows: list[dict], name: str) -> str:
+    """Per task and other method: the seeds (run by both) on which `name` had the higher mean training success."""
+    lines = [f"| task | {name} ahead of | seeds ahead | its mean success over the run | theirs |", "|---" * 5 + "|"]
+    area = {(r["task"], method(r), r["seed"]): statistics.mean(r["success_curve"]) for r in rows}
+    for task in sorted({r["task"] for r in rows}):
+        for other in sorted({method(r) for r in rows if r["task"] == task} - {name}):
+            seeds = sorted(s for t, m, s in area if t == task and m == other and (task, name, s) in area)
+            if not seeds:
+                continue
+            ahead = sum(area[task, name, s] > area[task, other, s] for s in seeds)
+            mine = statistics.mean(area[task, name, s] for s in seeds)
+            theirs = statistics.mean(area[task, other, s] for s in seeds)
+            lines.append(f"| {task} | {other} | {ahead} of {len(seeds)} | {mine:.3f} | {theirs:.3f} |")
     return "\n".join(lines)
 
 
@@ -121,8 +157,10 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, smooth: int = 10) -> None:
-    """One panel per task: each method's training success (mean over seeds, moving mean of `smooth` updates)."""
+def plot(rows: list[dict], path: str, smooth: int = 10, field: str = "success_curve",
+         ylabel: str = "training success") -> None:
+    """One panel per task: each method's training success (or another per-update `field` of the rows: mean over
+    seeds, moving mean of `smooth` updates; updates where it is undefined are left out of the mean)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,22 +169,23 @@ def plot(rows: list[dict], path: str, smooth: int = 10) -> None:
     names, task_names = sorted({method(r) for r in rows}), sorted({r["task"] for r in rows})
     columns = 3
     rows_ = -(-(len(task_names) + 1) // columns)  # a panel per task and one for the legend
-    figure, axes = plt.subplots(rows_, columns, figsize=(4.2 * columns, 3.2 * rows_), sharey=True)
+    figure, axes = plt.subplots(rows_, columns, figsize=(4.2 * columns, 3.2 * rows_), sharey=True,
+                                 squeeze=False)
     for axis, task in zip(axes.flat, task_names):
         for name in names:
-            curves = [r["success_curve"] for r in rows if r["task"] == task and method(r) == name]
+            curves = [r[field] for r in rows if r["task"] == task and method(r) == name and field in r]
             if not curves:
                 continue
             steps = min(map(len, curves))
-            mean = [statistics.mean(c[i] for c in curves) for i in range(steps)]
+            mean = [statistics.mean([c[i] for c in curves if c[i] is not None] or [0.0]) for i in range(steps)]
             moving = [statistics.mean(mean[max(0, i - smooth + 1):i + 1]) for i in range(steps)]
             per_update = next(r["episodes_per_update"] for r in rows if r["task"] == task and method(r) == name)
             axis.plot([(i + 1) * per_update for i in range(steps)], moving, label=f"{name} ({len(curves)})")
         axis.set_title(task)
         axis.set_xlabel("episodes")
-        axis.axhline(0.8, color="grey", linewidth=0.5)
+        axis.axhline(0.8 if field == "success_curve" else 0.5, color="grey", linewidth=0.5)
     for axis in axes[:, 0]:
-        axis.set_ylabel("training success")
+        axis.set_ylabel(ylabel)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     for axis in list(axes.flat)[len(task_names):]:
         axis.axis("off")
@@ -160,6 +199,8 @@ def main(argv=None) -> None:
     parser.add_argument("rows", help="JSONL file of run.py rows")
     parser.add_argument("--best_lr", metavar="METHOD", help="print the best seed-0 learning rate of METHOD only")
     parser.add_argument("--plot", metavar="PNG", help="also draw the learning curves at the chosen rates")
+    parser.add_argument("--versus", metavar="METHOD", help="also count the seeds METHOD was ahead of each other")
+    parser.add_argument("--ev_plot", metavar="PNG", help="also draw the critics' first-turn explained variance")
     args = parser.parse_args(argv)
     with open(args.rows) as lines:
         rows = [json.loads(line) for line in lines if line.strip()]
@@ -170,8 +211,12 @@ def main(argv=None) -> None:
         print(sweep_table(rows) + "\n")
         rows = chosen(rows)
     print(table(rows) + "\n\n" + summary(rows))
+    if args.versus:
+        print("\n" + versus(rows, args.versus))
     if args.plot:
         plot(rows, args.plot)
+    if args.ev_plot:
+        plot(rows, args.ev_plot, field="ev_turn_1", ylabel="first-turn explained variance")
 
 
 if __name__ == "__main__":

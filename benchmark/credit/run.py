@@ -5,9 +5,9 @@
 
 A row already in `--out` for the same task, estimator, gae_level, seed, learning rate, updates, batch and group
 size is skipped, so a long sweep can be run again after a stop. The start is the task's SFT policy
-(`policy.train_sft`, cached in `--work_dir`); 'gae' runs with a value model (the SFT backbone, a fresh score head)
-and one sample per prompt, the critic-free estimators with `--num_generations` samples per prompt; every method
-sees `updates x batch` episodes.
+(`policy.train_sft`, cached in `--work_dir`); 'gae' runs with a value model (the SFT backbone and a fresh score
+head, or with `--value_init random` the same architecture freshly initialised) and one sample per prompt, the
+critic-free estimators with `--num_generations` samples per prompt; every method sees `updates x batch` episodes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from rows import append_row, has_row  # noqa: E402
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_baseline")
 LEVEL = 0.8  # the success level whose episodes-to-reach a row records
 KEY_FIELDS = ("task", "estimator", "gae_level", "seed", "lr", "updates", "episodes_per_update", "num_generations",
-              "config")
+              "config", "value_init")
+EV_TURN_1 = "val/explained_variance/turn_1"  # how much of the first turn's return the critic predicts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--task", choices=sorted(tasks.TASKS), required=True)
     parser.add_argument("--estimator", choices=ESTIMATORS, required=True)
     parser.add_argument("--gae_level", choices=("token", "turn"), default="token", help="With --estimator gae.")
+    parser.add_argument("--value_init", choices=("sft", "random"), default="sft", help="With --estimator gae: the "
+                        "value model is the SFT policy's backbone with a fresh score head, or all of it fresh.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--updates", type=int, default=200)
@@ -49,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--work_dir", default="/tmp/trl_ppo_credit", help="SFT policies and run folders.")
     args = parser.parse_args(argv)
     if args.estimator != "gae":
-        args.gae_level = None  # one advantage per episode: no level
+        args.gae_level = args.value_init = None  # one advantage per episode: no level, no critic
     else:
         args.num_generations = None  # one sample per prompt
     args.episodes_per_update = args.batch  # the row's name
@@ -92,13 +95,14 @@ def dataset(args):
 def run_dir(args) -> str:
     """The cell's own folder: cells that run side by side must not share one (trl_ppo's run lock refuses that)."""
     extra = "".join(f"-{name}{value}" for name, value in (args.config or {}).items())
+    extra += "-random_critic" if args.value_init == "random" else ""
     return os.path.join(args.work_dir, "runs",
                         f"{args.task}-{args.estimator}-{args.gae_level}-{args.seed}-{args.lr:g}{extra}")
 
 
 def trainer(args, tokenizer, model, sft_path: str):
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from trl_ppo import PPOConfig, PPOTrainer
 
@@ -114,7 +118,11 @@ def trainer(args, tokenizer, model, sft_path: str):
         report_to="none", logging_steps=1, bf16=False, use_cpu=True, disable_tqdm=True, **groups, **(args.config or {}),
     )
     value_model = None
-    if critic:
+    if critic and args.value_init == "random":
+        torch.manual_seed(args.seed)
+        value_model = AutoModelForSequenceClassification.from_config(
+            AutoConfig.from_pretrained(sft_path, num_labels=1))
+    elif critic:
         value_model = AutoModelForSequenceClassification.from_pretrained(sft_path, num_labels=1)
         torch.manual_seed(args.seed)
         torch.nn.init.normal_(value_model.score.weight, std=value_model.config.initializer_range)
@@ -134,14 +142,17 @@ def episodes_to_reach(curve: list[float], per_update: int, level: float = LEVEL)
 
 
 def train_ppo(args, tokenizer, model, sft_path: str) -> tuple[list[float], dict]:
-    """Train the cell with trl_ppo -> (the success curve, nothing more for the row)."""
+    """Train the cell with trl_ppo -> (the success curve, and with a critic the first turn's explained variance
+    per update, None where it was undefined)."""
     train = trainer(args, tokenizer, model, sft_path)
     train.train()
     # The environment's score is 1.0 on success, 0.0 otherwise (turn rewards are separate): its batch mean is the
     # share of the update's episodes that succeeded.
-    curve = [round(float(h["objective/scores/environment"]), 4) for h in train.state.log_history
-             if "objective/scores/environment" in h]
-    return curve, {}
+    updates = [h for h in train.state.log_history if "objective/scores/environment" in h]
+    curve = [round(float(h["objective/scores/environment"]), 4) for h in updates]
+    if args.estimator != "gae":
+        return curve, {}
+    return curve, {"ev_turn_1": [round(float(h[EV_TURN_1]), 4) if EV_TURN_1 in h else None for h in updates]}
 
 
 def run(args, train=train_ppo) -> dict:
@@ -162,7 +173,7 @@ def run(args, train=train_ppo) -> dict:
     return {
         "task": args.task, "estimator": args.estimator, "gae_level": args.gae_level, "seed": args.seed,
         "lr": args.lr, "updates": args.updates, "episodes_per_update": args.batch,
-        "num_generations": args.num_generations, "config": args.config,
+        "num_generations": args.num_generations, "config": args.config, "value_init": args.value_init,
         "success_curve": curve, "before": before, "final": after,
         f"episodes_to_{LEVEL}": episodes_to_reach(curve, args.batch),
         "cpu_seconds": round(time.process_time() - cpu, 1), "sft": settings.key(args.task), **more,

@@ -154,8 +154,8 @@ class Chain(Task):
 
 
 class RandomStart(Task):
-    def __init__(self, length: int = 4) -> None:
-        self.steps = length
+    def __init__(self, length: int = 4, bonus: float = BONUS) -> None:
+        self.steps, self.bonus = length, bonus
 
     def _start(self, start: str | None) -> str:
         self.state = start or self._rng.choice(TRAIN_STATES)
@@ -167,7 +167,7 @@ class RandomStart(Task):
         if len(self.said) < self.steps:
             return "wait", 0.0
         self.success = self.switch == TARGET
-        return "end", BONUS * ACTIONS.index(self.state[0])
+        return "end", self.bonus * ACTIONS.index(self.state[0])
 
 
 # name -> environment factory (`environment_factory=`), a zero-argument callable
@@ -177,12 +177,15 @@ TASKS = {
     "chain_4": partial(Chain, length=4),
     "chain_8": partial(Chain, length=8),
     "random_start": partial(RandomStart, length=4),
+    # the knob's far end (issue 57): the start pays 0 to 3.0, up to 3x the success; a group baseline sees the
+    # start's payment as noise several times the signal, a critic reading the state can predict it
+    "random_start_wide": partial(RandomStart, length=4, bonus=1.0),
 }
 
 
 def eval_starts(task: str) -> list[str | None]:
     """The starts evaluation plays: RandomStart's held-out states; one fixed start (None) for the others."""
-    return list(HELD_OUT) if task == "random_start" else [None]
+    return list(HELD_OUT) if task.startswith("random_start") else [None]
 
 
 def random_episode(env: Task, rng: random.Random, start: str | None = None, seed: int = 0) -> list[dict]:

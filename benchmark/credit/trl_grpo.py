@@ -6,9 +6,12 @@ same budget, group size, epochs and learning rate as `run.py --estimator grpo`; 
 TRL's GRPO gets the environment unchanged (`environment_factory`; its `get_reward` is the reward, as TRL reads
 it), `num_generations` samples per prompt, `num_iterations` = run.py's 2 PPO epochs (one generation serves two
 optimizer steps), and TRL's own defaults for everything that is its algorithm (its loss type, no KL term: beta 0,
-clipping 0.2). The success curve is counted from the environments themselves (each `get_reward` call, in
-batches of `--batch` episodes), so both trainers' curves mean the same thing. Only tasks without turn rewards fit
-(TRL reads a tool's answer as text): the chains and random_start. The row's estimator is "trl_grpo".
+clipping 0.2). The success curve is counted from the environments themselves (each episode's success at its
+`get_reward` call, in batches of `--batch` episodes), so both trainers' curves mean the same thing. TRL reads a
+tool's answer as text, so a payment a tool makes (`(observation, reward)`: random_start's end payment,
+key_to_door's apples) cannot reach it as a reward: it is added to `get_reward` instead and the tool answers with
+the observation alone. The return is the same sum (trl_ppo's runs use no discount), and GRPO gives every token of
+an episode the advantage of that sum, so for GRPO the task is the same. The row's estimator is "trl_grpo".
 """
 
 from __future__ import annotations
@@ -21,18 +24,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402  (run.py's arguments, dataset and cell; it puts benchmark/ on the path)
 import tasks  # noqa: E402  isort: skip
 
-TURN_REWARDS = ("key_to_door",)  # tools that pay per turn: TRL would read the (observation, reward) pair as text
-
-
 def recording(task: str, outcomes: list[float]):
-    """The task's environment factory, its environments appending each `get_reward()` to `outcomes` (a subclass:
-    TRL looks for `get_reward` on the environment's class)."""
+    """The task's environment factory for TRL, its environments appending each episode's success to `outcomes`
+    and paying what their tools paid in `get_reward()` (a subclass: TRL looks for `get_reward` on the environment's
+    class)."""
     factory = tasks.TASKS[task]  # a partial of the environment class
 
     class Recorded(factory.func):
+        def reset(self, **row) -> str:
+            self.paid = 0.0
+            return super().reset(**row)
+
+        def _act(self, letter: str) -> str:
+            answer = super()._act(letter)
+            if isinstance(answer, tuple):  # (observation, reward): the reward moves to get_reward
+                answer, reward = answer
+                self.paid += reward
+            return answer
+
         def get_reward(self) -> float:
             outcomes.append(super().get_reward())
-            return outcomes[-1]
+            return outcomes[-1] + self.paid
 
     Recorded.__name__ = factory.func.__name__  # TRL logs the reward under the class name
     return partial(Recorded, *factory.args, **factory.keywords)
@@ -71,8 +83,6 @@ def train_trl(args, tokenizer, model, sft_path: str) -> tuple[list[float], dict]
 
 def main(argv=None) -> None:
     args = run.parse_args(["--estimator", "grpo", *(argv if argv is not None else sys.argv[1:])])
-    if args.task in TURN_REWARDS:
-        raise SystemExit(f"{args.task} pays per turn through its tools, which TRL reads as text: use another task")
     args.estimator = "trl_grpo"
     run.cell(args, train_trl)
 
