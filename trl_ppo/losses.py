@@ -86,16 +86,18 @@ def policy_loss(
     cliprange_high: float | None = None,
     dual_clip: float | None = None,
     aggregate: LossAggregation = TOKEN_MEAN,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate loss (Schulman et al. 2017): per token max(-A * r, -A * clip(r, 1 - cliprange,
     1 + cliprange_high)), r = pi / pi_old, reduced by `aggregate`.
 
     `cliprange_high` (default `cliprange`) makes the clipping asymmetric ("clip-higher", DAPO). `dual_clip`
-    (`c` > 1, Ye et al. 2020) also bounds the loss of a token with negative advantage by -A * c.
-    All inputs `[B, T]`. Returns the loss and detached stats: `clipfrac` (fraction of tokens where the clipped
-    term is the active one), `approxkl` (0.5 * mean squared log-ratio), `ratio` (mean probability ratio); with
-    `cliprange_high`, `clipfrac_low` / `clipfrac_high` (ratio clipped below / above); with `dual_clip`,
-    `dual_clipfrac` (tokens where the dual bound is the active one).
+    (`c` > 1, Ye et al. 2020) also bounds the loss of a token with negative advantage by -A * c. `weights` `[B, T]`
+    (detached) multiply each token's clipped loss: an off-policy correction's (`off_policy.behaviour_weights`), with
+    `old_logprobs` then the proximal policy's. All inputs `[B, T]`. Returns the loss and detached stats:
+    `clipfrac` (fraction of tokens where the clipped term is the active one), `approxkl` (0.5 * mean squared
+    log-ratio), `ratio` (mean probability ratio); with `cliprange_high`, `clipfrac_low` / `clipfrac_high` (ratio
+    clipped below / above); with `dual_clip`, `dual_clipfrac` (tokens where the dual bound is the active one).
     """
     high = cliprange if cliprange_high is None else cliprange_high
     log_ratio = new_logprobs - old_logprobs
@@ -107,6 +109,8 @@ def policy_loss(
         dual_bound = -advantages * dual_clip
         dual_active = (advantages < 0) & (per_token > dual_bound)
         per_token = torch.where(advantages < 0, torch.min(per_token, dual_bound), per_token)
+    if weights is not None:
+        per_token = weights * per_token
     loss = aggregate(per_token, response_mask)
     with torch.no_grad():
         clip_active = clipped > unclipped
