@@ -14,6 +14,7 @@ from typing import Literal
 from transformers import TrainingArguments
 
 from .config_agents import AgentConfig
+from .config_asynchronous import AsyncConfig
 from .config_critic import CriticConfig
 from .config_deadlines import DeadlineConfig
 from .config_estimators import EstimatorConfig
@@ -186,11 +187,11 @@ class OnPolicyConfig(TrainingArguments):
 
 
 @dataclass
-class PPOConfig(CriticConfig, AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
+class PPOConfig(AsyncConfig, CriticConfig, AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
     """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report), the
     advantage estimator with its samples per prompt (`EstimatorConfig`), the deadlines on calls into user code
-    (`DeadlineConfig`), the shape of multi-turn episodes (`AgentConfig`) and how the critic learns
-    (`CriticConfig`)."""
+    (`DeadlineConfig`), the shape of multi-turn episodes (`AgentConfig`), how the critic learns (`CriticConfig`)
+    and asynchronous sampling with its off-policy correction (`AsyncConfig`)."""
 
     exp_name: str = field(default="ppo_config", metadata={"help": "Name of this experiment."})
     reward_model_path: str = field(

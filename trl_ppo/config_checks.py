@@ -10,6 +10,7 @@ from transformers.utils import logging
 
 from .agents.templates import SHIPPED
 from .config import OnPolicyConfig, PPOConfig
+from .config_asynchronous import check_async_options
 from .config_fields import check_fields
 from .deadlines import Deadlines
 from .estimators import CRITIC_FREE, ESTIMATORS, SCALE_REWARDS, uses_critic
@@ -264,6 +265,7 @@ def _validate_ppo_config(args: PPOConfig) -> None:
     _validate_critic_options(args)
     _validate_large_scale_options(args)
     _validate_estimator(args)
+    check_async_options(args, fail)
 
 
 def _validate_critic_options(args: PPOConfig) -> None:

@@ -72,6 +72,12 @@ class StepMethods:
         """`step()` on checked episodes: logprobs, ref_logprobs, values → KL-shaped rewards → advantages → PPO
         epochs → adapt the KL coefficient → step the schedule → count / log / save. -> everything it made, and
         the seconds each phase took (`trl_ppo.legacy` reports both)."""
+        if self.args.max_staleness:
+            raise ValueError(
+                f"`step()` trains on the episodes it is given, sampled by its caller, and `max_staleness="
+                f"{self.args.max_staleness}` is the sampler process of `train()`: set `max_staleness=0` to use "
+                "`step()`, or use `train()`."
+            )
         clock = episodes.PhaseClock()
         self._begin_step_run()  # the first step begins the run; after `train()` ended, that run goes on
         pad_token_id, device = self.processing_class.pad_token_id, self.accelerator.device

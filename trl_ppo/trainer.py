@@ -12,6 +12,7 @@ outside the trainer (`step_methods.StepMethods`), and `create_optimizer()` with 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -26,6 +27,7 @@ from . import critic, data, estimators, fsdp, ppo, preparation, reporting, savin
 from . import distributed as dist
 from . import update as ppo_epochs
 from .agents.runner import agent_runner
+from .asynchronous_ppo import AsyncMethods, check_async_layout
 from .config import PPOConfig
 from .config_checks import stop_and_penalty_tokens
 from .evaluation import EvaluationMethods
@@ -48,7 +50,7 @@ from .step_methods import StepMethods
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, OnPolicyTrainer):
+class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, AsyncMethods, OnPolicyTrainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -129,6 +131,7 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, OnPolicyT
         shares_layers = ref_model is not None and bool(shared_parameters(ref_model, self.model.policy))
         fsdp_version = fsdp.fsdp_version(accelerator)
         dist.check_supported(args, self.is_deepspeed_enabled, fsdp_version, stage, shares_layers)
+        check_async_layout(args, accelerator, self.agents, self.is_deepspeed_enabled, fsdp_version)
         fsdp.check_settings(accelerator)
         fsdp.keep_float32_outputs(accelerator)
         self.sampling_backend = resolve_backend(
@@ -182,24 +185,26 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, OnPolicyT
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()
         batches = data.batches_forever(self.train_dataloader, self._sampler, self.run)
-        with ckpt.PreemptionHandler() as preemption:
+        self._start_sampler(batches)  # with `max_staleness`: a process that samples ahead
+        with ckpt.PreemptionHandler() as preemption, contextlib.ExitStack() as stack:
+            stack.callback(self._stop_sampler)
             for update in range(self.state.global_step + 1, args.num_total_batches + 1):
                 start_of_update = ckpt.ResumePoint.capture(self.run)
                 self._begin_update(update)
-                batch = next(batches)
 
-                rollout = self.collect_rollout(batch)  # sample; logprobs, ref_logprobs, values
-                rollout.scores, scores_per_reward = self.score(rollout, batch)
+                rollout, scores_per_reward = self._sample_and_score(batches, update)  # logprobs, ref, values, scores
                 rewards = self.compute_rewards(rollout)  # score - kl_coef * KL, per token
                 trained = self.trained_episodes(rollout)  # `truncated_episodes="mask"` leaves the truncated out
                 advantages = self.compute_advantages(trained, rewards)  # GAE, or a group estimator
                 last = update == args.num_total_batches  # a stop then finishes the run instead
-                if not last and ckpt.stop_requested(preemption, self.accelerator):
+                if not last and self._may_drop_rollout() and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
                 update_stats = self.ppo_update(trained, advantages).stats
+                self._publish_weights(update)  # with `max_staleness`: to the sampler process
                 self._write_trajectories(update, trained, rewards, advantages)  # applied: with `trajectory_dir`
 
                 metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward, trained, advantages)
+                metrics |= self._sampling_metrics(rollout)  # with `max_staleness`: staleness, behaviour vs proximal
                 self.run.kl_coef = next_kl_coef(self.run.kl_coef, metrics["objective/kl"], self.args)
                 self.lr_scheduler.step()
                 self._end_update(metrics)  # log / evaluate / save

@@ -17,6 +17,7 @@ from transformers.utils import logging
 
 from . import losses, ppo
 from .models import PreparedModels
+from .off_policy import behaviour_weights
 from .rollout import Rollout, chunks, masked_response_logprobs
 
 logger = logging.get_logger(__name__)
@@ -252,6 +253,16 @@ def pass_backward(
     return stats
 
 
+def correction_weights(micro: Rollout, args) -> torch.Tensor | None:
+    """`off_policy_correction`'s weights `[b, T]` of the micro-batch's tokens (`off_policy.behaviour_weights`: its
+    `logprobs` are the proximal policy's, `sampler_logprobs` the behaviour policy's); None without a correction or
+    without the sampler's log-probs. (Their stats are the rollout's, `offpolicy/*`: the same every epoch.)"""
+    correction = getattr(args, "off_policy_correction", None)
+    if correction is None or micro.sampler_logprobs is None:
+        return None
+    return behaviour_weights(micro.logprobs, micro.sampler_logprobs, micro.response_mask, correction, args.tis_cap)[0]
+
+
 def micro_batch_loss(
     micro: Rollout,
     new_logprobs: torch.Tensor,
@@ -268,8 +279,9 @@ def micro_batch_loss(
     stats: 0-d tensors, losses as this micro-batch's own)."""
     mask = micro.response_mask
     low, high = clipranges(args)
+    weights = correction_weights(micro, args)
     pg_loss, pg_stats = losses.policy_loss(
-        new_logprobs, micro.logprobs, micro.advantages, mask, low, high, args.dual_clip, aggregation
+        new_logprobs, micro.logprobs, micro.advantages, mask, low, high, args.dual_clip, aggregation, weights
     )
     own = aggregation.normaliser / losses.aggregation_count(mask, aggregation.mode).clamp(min=1)
     stats = {

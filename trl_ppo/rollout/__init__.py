@@ -6,6 +6,7 @@
 * `turn_loop.py`: multi-turn episodes played in lockstep (tool calls parsed and answered between turns).
 * `engine.py`: multi-turn episodes with continuous batching over their turns, KV caches kept across tool calls.
 * `agreement.py`: the sampler's log-probs against the training forward's (`rollout/logprob_diff_*`).
+* `asynchronous.py`: the sampler process of `max_staleness` (batches sampled ahead by an older policy version).
 
 What it may touch: the models (read-only, under `torch.no_grad`), the tokenizer and chat templates (`agents.chat`),
 and tool execution (`agents.execution`); never the optimizer, the loss or the trainer's state.

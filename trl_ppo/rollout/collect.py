@@ -100,10 +100,11 @@ def policy_sampling(models: PreparedModels, sampling: Sampling):
 
 # ------------------------------------------------------------------------------------ logprobs and values
 @torch.no_grad()
-def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args) -> Rollout:
+def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args, reference: bool = True) -> Rollout:
     """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout (values None without a critic; and
     `full_kl` with `kl_penalty="full"`), in chunks of `args.local_rollout_forward_batch_size` episodes. Returns the
-    rollout."""
+    rollout. `reference=False` keeps the rollout's `ref_logprobs` (asynchronous sampling computed them: the
+    reference does not change)."""
     full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk of episodes at a time
     logprobs, ref_logprobs, values, full_kls = [], [], [], []
     widen = functools.partial(ppo.pad_responses, length=rollout.response_length)  # trimmed chunks back to T
@@ -118,16 +119,19 @@ def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args) -> R
                 args.logprobs_chunk_size,
                 keep_logits=full_kl,
             )
-            ref_output = reference_output(episodes, models, args, keep_logits=full_kl)
-            for results, logprob in ((logprobs, output.logprobs), (ref_logprobs, ref_output.logprobs)):
-                results.append(widen(masked_response_logprobs(logprob, episodes), fill=ppo.INVALID_LOGPROB))
+            ref_output = reference_output(episodes, models, args, keep_logits=full_kl) if reference else None
+            logprobs.append(widen(masked_response_logprobs(output.logprobs, episodes), fill=ppo.INVALID_LOGPROB))
+            if reference:
+                ref = masked_response_logprobs(ref_output.logprobs, episodes)
+                ref_logprobs.append(widen(ref, fill=ppo.INVALID_LOGPROB))
             if output.values is not None:  # None without a critic (a critic-free `advantage_estimator`)
                 values.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             if full_kl:
                 exact = kl.full_kl_from_logits(output.logits, ref_output.logits)
                 full_kls.append(widen(exact.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             del output, ref_output  # one chunk of full logits alive at a time
-    rollout.logprobs, rollout.ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
+    rollout.logprobs = torch.cat(logprobs)
+    rollout.ref_logprobs = torch.cat(ref_logprobs) if reference else rollout.ref_logprobs
     rollout.values = torch.cat(values) if values else None
     rollout.full_kl = torch.cat(full_kls) if full_kl else None
     return rollout

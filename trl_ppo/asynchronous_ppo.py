@@ -1,0 +1,127 @@
+"""`PPOTrainer`'s methods for where an update's episodes come from: sampled and scored now (synchronous, the
+default), or by a sampler process that runs `max_staleness` batches ahead (`rollout.asynchronous`), with what that
+changes around it: the weights published after each update, the proximal log-probs and values recomputed at training
+time, the metrics of staleness, and a checkpoint that keeps the batches in flight."""
+
+from __future__ import annotations
+
+import torch
+from transformers.utils import logging
+
+from . import checkpoint as ckpt
+from .checkpoint.rng import rng_file
+from .off_policy import behaviour_weights
+from .rollout import Rollout, add_logprobs_and_values
+from .rollout.agreement import agreement_metrics, agreement_sums
+from .rollout.asynchronous import ASYNC_STATE, AsyncSampler
+
+logger = logging.get_logger(__name__)
+
+
+def check_async_layout(args, accelerator, agents, is_deepspeed: bool, fsdp_version: int | None) -> None:
+    """What `max_staleness` >= 1 cannot run with, refused before any compute."""
+    if not args.max_staleness:
+        return
+    why = None
+    if accelerator.num_processes > 1 or is_deepspeed or fsdp_version:
+        why = "runs in one process without DeepSpeed or FSDP (several processes: see docs/scaling-out.md)"
+    elif accelerator.device.type != "cpu":
+        why = "forks its sampler process from the trainer's, which a process that uses CUDA cannot do: CPU only"
+    elif agents is not None:
+        why = "samples one-turn episodes (multi-turn agents sample in the trainer's process: `max_staleness=0`)"
+    elif args.kl_penalty == "full":
+        why = "computes the reference's log-probs in the sampler, and `kl_penalty='full'` needs its logits beside "
+        why += "the policy's at training time: use `kl_penalty='kl'`"
+    if why:
+        raise ValueError(f"`max_staleness={args.max_staleness}` {why}.")
+
+
+class AsyncMethods:
+    """Where `train()`'s rollouts come from (`_sample_and_score`), and the sampler process's life around it."""
+
+    _async_sampler: AsyncSampler | None = None
+    _restored_sampler: dict | None = None
+
+    def _start_sampler(self, batches) -> None:
+        """With `max_staleness` >= 1, fork the sampler process and send it the first batches."""
+        if not self.args.max_staleness:
+            return
+        self._async_sampler = AsyncSampler(
+            self._sample_ahead, self._models().wrapper.lm, self.args.max_staleness, batches,
+            self.state.global_step, self.args.num_total_batches, self._restored_sampler,
+        )  # fmt: skip
+        self._restored_sampler = None
+
+    def _stop_sampler(self) -> None:
+        if self._async_sampler is not None:
+            self._async_sampler.close()
+            self._async_sampler = None
+
+    def _sample_and_score(self, batches, update: int) -> tuple[Rollout, dict]:
+        """The episodes of `update`, scored -> (rollout with `logprobs`, `ref_logprobs`, `values` and `scores`,
+        scores per reward). Asynchronous: sampled ahead by the sampler process (its log-probs become the behaviour
+        policy's, `sampler_logprobs`); the proximal policy's log-probs and the values computed here, now."""
+        if self._async_sampler is None:
+            return self._sample_and_score_now(next(batches))
+        sampled = self._async_sampler.next(update)
+        rollout = sampled.rollout
+        rollout.sampler_logprobs = rollout.logprobs
+        add_logprobs_and_values(rollout, self._models(), self.args, reference=False)
+        self._staleness = update - 1 - sampled.version
+        return rollout, sampled.scores_per_reward
+
+    def _sample_and_score_now(self, batch: dict) -> tuple[Rollout, dict]:
+        """Sample `batch` with the policy as it is, then score it (the sampler process's work too)."""
+        rollout = self.collect_rollout(batch)  # sample; logprobs, ref_logprobs, values
+        rollout.scores, scores_per_reward = self.score(rollout, batch)
+        return rollout, scores_per_reward
+
+    def _sample_ahead(self, batch: dict) -> tuple[Rollout, dict]:
+        """The sampler process's work: `_sample_and_score_now` with its (older) weights; the values are left to
+        the trainer, which computes them with its current critic."""
+        rollout, scores_per_reward = self._sample_and_score_now(batch)
+        rollout.values = None
+        return rollout, scores_per_reward
+
+    def _publish_weights(self, update: int) -> None:
+        """After `update`: the sampler samples with the new weights from the batch that is due to."""
+        if self._async_sampler is not None:
+            self._async_sampler.publish(self._models().wrapper.lm, update)
+
+    def _sampling_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """Asynchronous runs: `offpolicy/staleness` (updates between the sampling policy and this update's start)
+        and how far the behaviour policy's log-probs are from the proximal policy's (`rollout/logprob_diff_*`).
+        With an `off_policy_correction` and the sampler's log-probs: `offpolicy/is_weight_mean`, `_max` (the raw
+        pi_prox / pi_behav over the update's tokens) and `offpolicy/is_truncated_frac` (tokens "tis" cut)."""
+        args, metrics = self.args, {}
+        if self._async_sampler is not None:
+            sums = agreement_sums(rollout.sampler_logprobs, rollout.logprobs, rollout.response_mask)
+            metrics = {"offpolicy/staleness": float(self._staleness)} | agreement_metrics(sums[None])
+        if args.off_policy_correction is not None and rollout.sampler_logprobs is not None:
+            _, stats = behaviour_weights(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask,
+                                         args.off_policy_correction, args.tis_cap)  # fmt: skip
+            metrics |= {f"offpolicy/{name}": float(value) for name, value in stats.items()}
+        return metrics
+
+    def _write_checkpoint(self, resume_point: ckpt.ResumePoint | None = None) -> str:
+        """A checkpoint; asynchronous: with the batches the sampler sampled ahead and its RNG, so that a resume
+        trains on exactly what the run would have."""
+        if self._async_sampler is not None:
+            resume_point = resume_point if resume_point is not None else ckpt.ResumePoint.capture(self.run)
+            resume_point.rng[ASYNC_STATE] = self._async_sampler.state_dict()
+        return super()._write_checkpoint(resume_point)
+
+    def _restore_checkpoint(self, path: str) -> None:
+        super()._restore_checkpoint(path)
+        state = torch.load(rng_file(path, self.accelerator.process_index), weights_only=False).get(ASYNC_STATE)
+        if state is not None and not self.args.max_staleness:
+            logger.warning(
+                f"{path} holds {len(state['pending'])} batch(es) a sampler process sampled ahead (`max_staleness`), "
+                "and this run is synchronous: they are dropped, and their prompts skipped."
+            )
+        self._restored_sampler = state if self.args.max_staleness else None
+
+    def _may_drop_rollout(self) -> bool:
+        """Whether a stop may drop the update's rollout before optimising (synchronous runs: it is resampled on
+        resume). The sampler's batches cannot be resampled, so an asynchronous run finishes the update first."""
+        return self._async_sampler is None

@@ -1,0 +1,60 @@
+"""`PPOConfig`'s fields of asynchronous PPO: how stale the episodes an update trains on may be, and the off-policy
+correction that keeps the update right (mixed into it like `EstimatorConfig`). The sampler that runs ahead is
+`rollout/asynchronous.py`'s, the corrections' weights `off_policy.py`'s, the update applies them (`update.py`)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from .off_policy import CORRECTIONS
+
+
+@dataclass
+class AsyncConfig:
+    """`max_staleness`, `off_policy_correction` and `tis_cap`."""
+
+    max_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "0: synchronous PPO. k >= 1: a sampler process samples and scores the next k batches while the "
+            "trainer trains; update u trains on episodes of the policy after update u-1-k. Needs "
+            "`off_policy_correction`; one CPU process, no DeepSpeed or FSDP, one-turn episodes."
+        },
+    )
+    off_policy_correction: str | None = field(
+        default=None,
+        metadata={
+            "help": "'decoupled' (AReaL: PPO clipped against the policy the update starts from, each token's loss "
+            "weighted by pi_prox / pi_behav), 'tis' (that weight capped at `tis_cap`) or 'none' (the ablation). "
+            "At `max_staleness=0` it corrects the sampler/trainer mismatch where the agents' engine records it."
+        },
+    )
+    tis_cap: float = field(
+        default=2.0,
+        metadata={"help": "C of 'tis': each token's weight is min(pi_prox / pi_behav, C)."},
+    )
+
+
+def check_async_options(args, fail) -> None:
+    """`max_staleness`, `off_policy_correction` and `tis_cap`, before any compute; `fail(message)` raises."""
+    staleness, correction = args.max_staleness, args.off_policy_correction
+    if staleness < 0:
+        fail(f"`max_staleness` must be >= 0 (0: synchronous), got {staleness}.")
+    if correction is not None and correction not in CORRECTIONS:
+        fail(f"Unknown `off_policy_correction` {correction!r}: use one of {', '.join(map(repr, CORRECTIONS))}.")
+    if not args.tis_cap >= 1.0:
+        fail(f"`tis_cap` must be >= 1 (a cap below 1 would shrink even on-policy tokens), got {args.tis_cap}.")
+    if staleness >= 1 and correction is None:
+        fail(
+            f"`max_staleness={staleness}` trains on episodes sampled by a policy {staleness} update(s) old, and the "
+            "PPO ratio is then taken against the wrong policy unless a correction is chosen: set "
+            "`off_policy_correction` to 'decoupled' (AReaL) or 'tis' (truncated importance sampling), or to 'none' "
+            "to train without one (an ablation)."
+        )
+    if staleness >= 1 and correction == "none":
+        warnings.warn(
+            f"`max_staleness={staleness}` with `off_policy_correction='none'`: the episodes' staleness is not "
+            "corrected for (the ablation); use 'decoupled' or 'tis' to train on them safely.",
+            stacklevel=3,
+        )
