@@ -112,3 +112,69 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_agents_sample_ahead_too(make_config, tmp_path):
+    """Multi-turn episodes with an environment (the credit benchmark's chain_2, a random tiny policy) played in the
+    sampler process: the environment's reward and the `env/` metrics reach the trainer, one update behind."""
+    import sys
+
+    from conftest import REPO_ROOT
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from trl_ppo import PPOTrainer
+
+    sys.path[:0] = [f"{REPO_ROOT}/benchmark/{folder}" for folder in ("credit", "agents", "learning")]
+    import tasks
+
+    tokenizer = tasks.build_tokenizer()
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None))  # fmt: skip
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": tasks.PROMPT}]] * 32, "seed": list(range(32))})
+    config = make_config(max_turns=3, response_length=48, stop_token="eos", total_episodes=24,
+                         per_device_train_batch_size=8, gradient_accumulation_steps=1, advantage_estimator="grpo",
+                         num_generations=4, local_rollout_forward_batch_size=8, **ASYNC)  # fmt: skip
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=None, reward_model=[],
+                         train_dataset=data, environment_factory=tasks.TASKS["chain_2"])  # fmt: skip
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "offpolicy/staleness" in entry]
+    assert [entry["offpolicy/staleness"] for entry in logs] == [0, 1, 1]
+    assert all(entry["env/turns_mean"] >= 1 for entry in logs)
+    assert all("objective/scores/environment" in entry for entry in logs)
+
+
+def test_a_signal_checkpoints_what_is_in_flight_and_the_resumed_run_ends_as_the_straight_one(
+    make_config, tokenizer, load_models, prompt_dataset, tmp_path
+):
+    """SIGINT during update 3's scoring: the update is finished (the sampler's batches cannot be sampled again),
+    checkpoint-3 holds the batches sampled ahead, the process exits 0; the resumed run ends where a straight one
+    does, bit for bit."""
+    import os
+    import signal
+
+    settings = dict(ASYNC, max_staleness=2, save_strategy="steps", save_steps=100)
+    straight = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=str(tmp_path / "a"), **settings)
+    straight.train()
+    output_dir = str(tmp_path / "b")
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=output_dir, **settings)
+    original = trainer.compute_rewards
+
+    def compute_rewards(rollout):
+        if trainer.state.global_step == 2:  # update 3 has its episodes, not yet its update
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(rollout)
+
+    trainer.compute_rewards = compute_rewards
+    with pytest.raises(SystemExit) as stopped:
+        trainer.train()
+    assert stopped.value.code == 0
+    assert sorted(path.name for path in (tmp_path / "b").glob("checkpoint-*")) == ["checkpoint-3"]
+    resumed = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=output_dir, **settings)
+    resumed.train(resume_from_checkpoint=True)
+    assert logs_without_time(resumed) == logs_without_time(straight)
+    for name, tensor in weights(straight).items():
+        assert torch.equal(tensor, weights(resumed)[name]), name

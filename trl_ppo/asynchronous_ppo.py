@@ -5,6 +5,8 @@ time, the metrics of staleness, and a checkpoint that keeps the batches in fligh
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.utils import logging
 
@@ -18,7 +20,7 @@ from .rollout.asynchronous import ASYNC_STATE, AsyncSampler
 logger = logging.get_logger(__name__)
 
 
-def check_async_layout(args, accelerator, agents, is_deepspeed: bool, fsdp_version: int | None) -> None:
+def check_async_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int | None) -> None:
     """What `max_staleness` >= 1 cannot run with, refused before any compute."""
     if not args.max_staleness:
         return
@@ -27,8 +29,6 @@ def check_async_layout(args, accelerator, agents, is_deepspeed: bool, fsdp_versi
         why = "runs in one process without DeepSpeed or FSDP (several processes: see docs/scaling-out.md)"
     elif accelerator.device.type != "cpu":
         why = "forks its sampler process from the trainer's, which a process that uses CUDA cannot do: CPU only"
-    elif agents is not None:
-        why = "samples one-turn episodes (multi-turn agents sample in the trainer's process: `max_staleness=0`)"
     elif args.kl_penalty == "full":
         why = "computes the reference's log-probs in the sampler, and `kl_penalty='full'` needs its logits beside "
         why += "the policy's at training time: use `kl_penalty='kl'`"
@@ -65,6 +65,8 @@ class AsyncMethods:
             return self._sample_and_score_now(next(batches))
         sampled = self._async_sampler.next(update)
         rollout = sampled.rollout
+        if self.agents is not None:  # the episodes' records, for the `env/` metrics and `trajectory_dir`
+            self.agents.episodes = sampled.played
         rollout.sampler_logprobs = rollout.logprobs
         add_logprobs_and_values(rollout, self._models(), self.args, reference=False)
         self._staleness = update - 1 - sampled.version
@@ -76,12 +78,16 @@ class AsyncMethods:
         rollout.scores, scores_per_reward = self.score(rollout, batch)
         return rollout, scores_per_reward
 
-    def _sample_ahead(self, batch: dict) -> tuple[Rollout, dict]:
+    def _sample_ahead(self, batch: dict) -> tuple[Rollout, dict, list | None]:
         """The sampler process's work: `_sample_and_score_now` with its (older) weights; the values are left to
-        the trainer, which computes them with its current critic."""
+        the trainer, which computes them with its current critic. With tools or environments, also the episodes'
+        records, without their environments and tools (they stay, and are closed, in this process)."""
         rollout, scores_per_reward = self._sample_and_score_now(batch)
         rollout.values = None
-        return rollout, scores_per_reward
+        played = None
+        if self.agents is not None:
+            played = [dataclasses.replace(episode, environment=None, tools={}) for episode in self.agents.episodes]
+        return rollout, scores_per_reward, played
 
     def _publish_weights(self, update: int) -> None:
         """After `update`: the sampler samples with the new weights from the batch that is due to."""

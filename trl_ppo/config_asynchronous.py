@@ -19,7 +19,7 @@ class AsyncConfig:
         metadata={
             "help": "0: synchronous PPO. k >= 1: a sampler process samples and scores the next k batches while the "
             "trainer trains; update u trains on episodes of the policy after update u-1-k. Needs "
-            "`off_policy_correction`; one CPU process, no DeepSpeed or FSDP, one-turn episodes."
+            "`off_policy_correction`; one CPU process, no DeepSpeed or FSDP."
         },
     )
     off_policy_correction: str | None = field(

@@ -131,7 +131,7 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, AsyncMeth
         shares_layers = ref_model is not None and bool(shared_parameters(ref_model, self.model.policy))
         fsdp_version = fsdp.fsdp_version(accelerator)
         dist.check_supported(args, self.is_deepspeed_enabled, fsdp_version, stage, shares_layers)
-        check_async_layout(args, accelerator, self.agents, self.is_deepspeed_enabled, fsdp_version)
+        check_async_layout(args, accelerator, self.is_deepspeed_enabled, fsdp_version)
         fsdp.check_settings(accelerator)
         fsdp.keep_float32_outputs(accelerator)
         self.sampling_backend = resolve_backend(

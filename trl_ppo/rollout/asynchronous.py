@@ -10,7 +10,8 @@ in, the sampler copies them into its own policy; nothing goes through disk.
 
 The sampler process is forked from the trainer's when the run's updates begin, so it holds a copy of everything the
 trainer had (the models, the reward functions, the tokenizer, its RNG) without pickling any of it; its work is a
-callable of the trainer's (`collect(batch) -> (rollout, scores_per_reward)`). What it sends back is the rollout with
+callable of the trainer's (`collect(batch) -> (rollout, scores_per_reward, played)`, `played` what else the trainer
+needs about the episodes: the agents' records of them). What it sends back is the rollout with
 the behaviour policy's log-probs, the reference's and the scores; the trainer recomputes the proximal policy's
 log-probs and the values with its current weights. CPU only: a process that has touched CUDA cannot be forked;
 the sampler computes on one thread.
@@ -66,13 +67,15 @@ class SharedWeights:
 
 @dataclass
 class Sampled:
-    """One batch as the sampler sent it: its index (1-based), the policy version that sampled it, the rollout and
-    the scores per reward, and the sampler's RNG state after it (what a resume restores)."""
+    """One batch as the sampler sent it: its index (1-based), the policy version that sampled it, the rollout, the
+    scores per reward and what else `collect` returned about the episodes (`played`), and the sampler's RNG state
+    after it (what a resume restores)."""
 
     batch: int
     version: int
     rollout: object  # a `Rollout`
     scores_per_reward: dict
+    played: object
     rng: dict
 
 
@@ -98,8 +101,7 @@ def _sampler_loop(collect: Callable, policy: nn.Module, weights: SharedWeights, 
                 if loaded != version:
                     raise RuntimeError(f"batch {index} is to be sampled by version {version}, shared: {loaded}")
             taken.value = index
-            rollout, scores_per_reward = collect(batch)
-            outbox.put(Sampled(index, version, rollout, scores_per_reward, capture_rng_state()))
+            outbox.put(Sampled(index, version, *collect(batch), capture_rng_state()))
         except BaseException:  # noqa: BLE001  (everything goes back to the trainer, which raises it)
             outbox.put(("error", index, traceback.format_exc()))
             return
