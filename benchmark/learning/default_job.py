@@ -51,6 +51,7 @@ def run_once(seed: int, extra: list[str]) -> dict:
            "load_average_1min": round(os.getloadavg()[0], 2)}
     for name, key in SERIES.items():
         row[name] = [round(logged[0][key], 3), round(logged[-1][key], 3)]
+    row["score_curve"] = [round(e["objective/scores"], 4) for e in logged]
     row["value_loss_peak"] = round(max(e["loss/value_avg"] for e in logged), 3)
     for name, key in PEAKS.items():
         row[name] = round(max(e[key] for e in logged), 4)
