@@ -6,8 +6,10 @@ A group is `group_size` consecutive episodes of a batch: the samples of one prom
 prompt `num_generations` times, and every process's batch holds whole groups). An episode is a member of its group
 when it has a token in the response mask; `truncated_episodes="mask"` empties the mask of a truncated one, which
 then neither counts in its group's baseline nor gets an advantage. A group with one member left has no one to be
-compared with: its advantage is 0. A group whose members all got the same return carries no signal: its advantages
-are exactly 0 (not the rounding residue of its mean).
+compared with: its baseline-subtracted return is 0. A group whose members all got the same return carries no
+signal: its baseline-subtracted returns are exactly 0 (not the rounding residue of its mean). That is the advantage
+itself for GRPO and RLOO without a KL in the reward; REINFORCE++'s batch whitening then shifts every token by the
+batch's mean, so there such a group's advantages are equal to each other, not 0.
 
 Each estimator gives one number per episode from its return R (its shaped score plus its per-turn rewards), spread
 over its model tokens (never over tool tokens). The KL penalty in the reward (`kl_coef`) enters per the literature
