@@ -178,3 +178,19 @@ def test_a_signal_checkpoints_what_is_in_flight_and_the_resumed_run_ends_as_the_
     assert logs_without_time(resumed) == logs_without_time(straight)
     for name, tensor in weights(straight).items():
         assert torch.equal(tensor, weights(resumed)[name]), name
+
+
+def test_an_async_reward_function_runs_in_the_sampler_process(make_config, tokenizer, load_models, prompt_dataset):
+    """The run's event loop (a daemon thread) does not survive the fork: the sampler starts its own."""
+    import asyncio
+
+    from trl_ppo import async_loop
+
+    async def reward(prompts, completions, **columns):
+        await asyncio.sleep(0)
+        return [float(len(c.split())) for c in completions]
+
+    async_loop.run(asyncio.sleep(0))  # the trainer's loop is running before the fork
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, rewards=reward, **ASYNC)
+    trainer.train()
+    assert all("objective/scores" in entry for entry in trainer.state.log_history[:-1])
