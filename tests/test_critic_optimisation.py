@@ -214,3 +214,34 @@ def test_a_run_whose_critic_explains_nothing_logs_the_warning(make_config, token
     warned = [r.getMessage() for r in caplog.records if "The critic has explained" in r.getMessage()]
     assert len(warned) == 1 and "5 updates in a row (update 5 of 6)" in warned[0]
     assert trainer.run.critic_watch.warned and trainer.run.state_dict()["critic_watch"]["streak"] == 6
+
+
+def test_value_only_epochs_run_the_value_model_alone_and_train_exactly_as_before(
+    make_config, tokenizer, load_models, prompt_dataset, monkeypatch
+):
+    """With a separate value model in one process, a value-only epoch (`num_critic_epochs`, the warm-up's later
+    epochs) skips the policy's forward and backward (weighted 0 there): the same weights and logs as the full pass,
+    and the policy's forward is called fewer times."""
+    import trl_ppo.update as update
+    from test_resume import logs_without_time, make, weights
+
+    settings = dict(num_critic_epochs=3, critic_warmup_steps=1, critic_warmup_epochs=3, save_strategy="no",
+                    total_episodes=24)  # fmt: skip
+    calls = {"full": 0}
+    original = update.pass_backward
+
+    def counted(*args, **kwargs):
+        calls["full"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(update, "pass_backward", counted)
+    fast = make(make_config, tokenizer, load_models, prompt_dataset, **settings)
+    fast.train()
+    fast_calls, calls["full"] = calls["full"], 0
+    monkeypatch.setattr(update, "value_pass_possible", lambda models: False)
+    full = make(make_config, tokenizer, load_models, prompt_dataset, **settings)
+    full.train()
+    assert fast_calls < calls["full"]
+    assert logs_without_time(fast) == logs_without_time(full)
+    for name, tensor in weights(full).items():
+        assert torch.equal(tensor, weights(fast)[name]), name

@@ -5,6 +5,9 @@
   made by `CriticMethods.create_optimizer` from the groups `transformers.Trainer` builds (its weight-decay split
   kept). The schedule (`LambdaLR`) multiplies each group's own initial rate by the same factor, so both follow
   `lr_scheduler_type`, each from its own rate; `learning_rates` reads them for the log (`lr`, `lr_critic`).
+* `value_pass_backward`: a value-only epoch's pass (`num_critic_epochs`, the warm-up's) through the value model
+  alone, where nothing needs the policy to take part (`value_pass_possible`): the policy's terms are weighted 0
+  there, so its forward and backward would only cost.
 * `CriticWatch`: the warning, once per run, when the critic has explained (almost) nothing of the returns for many
   updates in a row (`low_ev_streak`, `ev_patience`).
 """
@@ -12,11 +15,16 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.utils import logging
+
+from . import losses
+from .models import PreparedModels, scalar_head_outputs
+from .rollout import Rollout, chunks
 
 logger = logging.get_logger(__name__)
 
@@ -91,6 +99,39 @@ def learning_rates(scheduler) -> dict[str, float]:
         return {}
     policy = [rate for rate, is_critic in zip(rates, critic) if not is_critic]
     return {"lr": policy[0] if policy else 0.0, "lr_critic": rates[critic.index(True)]}
+
+
+# ------------------------------------------------------------------------------------------- value-only passes
+def value_pass_possible(models: PreparedModels) -> bool:
+    """Whether a value-only epoch may run the value model alone: a separate value model, in one process without
+    DeepSpeed or FSDP (there every trained parameter must take part in each backward)."""
+    return (models.wrapper.value_model is not None and models.accelerator.num_processes == 1
+            and not models.is_deepspeed and not models.is_fsdp2)  # fmt: skip
+
+
+def value_pass_backward(
+    episodes: Rollout, models: PreparedModels, args, aggregation: losses.LossAggregation, scale: int
+) -> dict:
+    """One pass of a value-only epoch: the value model's forward and `vf_coef` times the clipped value loss's
+    backward (times `scale`), per micro-batch as `update.pass_backward` sums them. -> the value loss's stats
+    (`loss/value_avg`, `val/clipfrac_avg`), lists per micro-batch."""
+    episodes = episodes.trim_padding()
+    with models.accelerator.autocast():
+        values = scalar_head_outputs(models.wrapper.value_model, episodes.input_ids, episodes.attention_mask)
+    values = values[:, -episodes.responses.size(1) - 1 : -1]
+    stats, loss = defaultdict(list), 0.0
+    for part in chunks(episodes.queries.size(0), args.per_device_train_batch_size):
+        micro = episodes.select(part)
+        mask = micro.response_mask
+        value_loss, value_stats = losses.value_loss(
+            values[part], micro.values, micro.returns, mask, args.cliprange_value, aggregation
+        )
+        own = aggregation.normaliser / losses.aggregation_count(mask, aggregation.mode).clamp(min=1)
+        stats["loss/value_avg"].append(value_loss.detach() * own)
+        stats["val/clipfrac_avg"].append(value_stats["clipfrac"])
+        loss = loss + args.vf_coef * value_loss
+    models.accelerator.backward(loss * scale)
+    return stats
 
 
 # ------------------------------------------------------------------------------------------- the watch

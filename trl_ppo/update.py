@@ -16,6 +16,7 @@ import torch
 from transformers.utils import logging
 
 from . import losses, ppo
+from .critic import value_pass_backward, value_pass_possible
 from .models import PreparedModels
 from .off_policy import behaviour_weights
 from .rollout import Rollout, chunks, masked_response_logprobs
@@ -84,7 +85,8 @@ def ppo_update(
     models.model.train()
     for minibatch, value_epoch in shuffled_minibatches(args, episodes.queries.device, warmup):
         critic_only = warmup or value_epoch
-        minibatch_stats = minibatch_backward(episodes, minibatch, models, args, detailed, critic_only)
+        value_only = value_epoch and value_pass_possible(models)  # the value model alone: the policy weighs 0
+        minibatch_stats = minibatch_backward(episodes, minibatch, models, args, detailed, critic_only, value_only)
         verdict = judge_minibatch(minibatch_stats, models.accelerator, args, update)
         minibatch_stats.pop(TOTAL_LOSS, None)
         nonfinite = NONFINITE_LOSS if verdict is Verdict.NONFINITE else None
@@ -170,17 +172,23 @@ def minibatch_backward(
     args,
     detailed: bool = False,
     critic_only: bool = False,
+    value_only: bool = False,
 ) -> dict:
     """Forward and backward over one minibatch in passes of `train_forward_batch_size` episodes, gradients
     accumulated into the gradient of the minibatch's loss (aggregated over the whole minibatch on all processes,
-    `loss_agg_mode`); -> its stats, per micro-batch (each a list of 0-d tensors)."""
+    `loss_agg_mode`); -> its stats, per micro-batch (each a list of 0-d tensors). `value_only`: passes of the value
+    model alone (`critic.value_pass_backward`)."""
     passes = minibatch.split(args.train_forward_batch_size)  # whole micro-batches each
     aggregation = minibatch_aggregation(episodes.response_mask[minibatch], models.accelerator, args)
     scale = backward_scale(models.accelerator.num_processes, len(passes), models.is_deepspeed)
     minibatch_stats = defaultdict(list)
     for i, index in enumerate(passes):
         with gradient_sync(models, last=i == len(passes) - 1):
-            pass_stats = pass_backward(episodes.select(index), models, args, aggregation, scale, detailed, critic_only)
+            if value_only:
+                pass_stats = value_pass_backward(episodes.select(index), models, args, aggregation, scale)
+            else:
+                pass_stats = pass_backward(episodes.select(index), models, args, aggregation, scale, detailed,
+                                           critic_only)  # fmt: skip
         for key, values in pass_stats.items():
             minibatch_stats[key].extend(values)
     return minibatch_stats
@@ -352,11 +360,12 @@ def detailed_stats(micro: Rollout, new_logprobs: torch.Tensor, new_values: torch
 def judge_minibatch(minibatch_stats: dict, accelerator, args, update: int) -> Verdict:
     """The minibatch's verdict, from values reduced over all processes so that every process decides the same:
     NONFINITE when a loss (the policy's, the value's or the total) is NaN/inf, SKIP when its mean ratio exceeds
-    `ratio_threshold`, STOP when its mean approximate KL exceeds 1.5 * `target_kl` (`early_stopping`), else STEP."""
+    `ratio_threshold`, STOP when its mean approximate KL exceeds 1.5 * `target_kl` (`early_stopping`), else STEP
+    (a pass of the value model alone has no ratio: it is judged by its loss only)."""
     names = ("loss/policy_avg", "loss/value_avg", TOTAL_LOSS)
     if not all_finite(torch.stack([v for name in names for v in minibatch_stats.get(name, [])]), accelerator):
         return Verdict.NONFINITE
-    if args.ratio_threshold is not None:
+    if args.ratio_threshold is not None and "val/ratio" in minibatch_stats:  # none in a pass of the value alone
         ratio = accelerator.reduce(torch.stack(minibatch_stats["val/ratio"]).mean().reshape(1), "mean").item()
         if ratio > args.ratio_threshold:
             logger.warning(
@@ -364,7 +373,7 @@ def judge_minibatch(minibatch_stats: dict, accelerator, args, update: int) -> Ve
                 f"({args.ratio_threshold}): skipped."
             )
             return Verdict.SKIP
-    if args.early_stopping:
+    if args.early_stopping and "policy/approxkl_avg" in minibatch_stats:
         approxkl = torch.stack(minibatch_stats["policy/approxkl_avg"]).mean().reshape(1)
         if accelerator.reduce(approxkl, "mean").item() > 1.5 * args.target_kl:
             return Verdict.STOP
