@@ -91,8 +91,10 @@ def test_resume_trains_on_exactly_what_the_run_would_have(make_config, tokenizer
         assert torch.equal(tensor, weights(resumed)[name]), name
 
 
-def test_a_failing_reward_in_the_sampler_stops_the_run_with_its_traceback(make_config, tokenizer, load_models,
-                                                                          prompt_dataset):  # fmt: skip
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_a_failing_reward_in_the_sampler_stops_the_run_with_its_traceback(staleness, make_config, tokenizer,
+                                                                          load_models, prompt_dataset):  # fmt: skip
+    """Also when batches sampled before the failure are still unread (k=3: the trainer is waiting to publish)."""
     calls = []
 
     def reward(prompts, completions, **columns):
@@ -101,9 +103,42 @@ def test_a_failing_reward_in_the_sampler_stops_the_run_with_its_traceback(make_c
             raise KeyError("the judge is down")
         return [0.0] * len(completions)
 
-    trainer = make(make_config, tokenizer, load_models, prompt_dataset, rewards=reward, **ASYNC)
+    settings = dict(ASYNC, max_staleness=staleness)
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, rewards=reward, **settings)
     with pytest.raises(RuntimeError, match="(?s)sampler process failed on batch 3.*the judge is down"):
         trainer.train()
+
+
+def test_calls_into_user_code_that_timed_out_in_the_sampler_are_counted(make_config, tokenizer, load_models,
+                                                                        prompt_dataset):  # fmt: skip
+    import time
+
+    calls = []
+
+    def reward(prompts, completions, **columns):
+        calls.append(1)
+        if len(calls) == 2:  # the first try of the second batch passes its deadline
+            time.sleep(2)
+        return [0.0] * len(completions)
+
+    settings = dict(ASYNC, reward_timeout=0.5, user_call_retries=1, user_call_backoff=0.0, logging_steps=1)
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, rewards=reward, **settings)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "calls/timeouts" in entry]
+    assert sum(entry["calls/timeouts"] for entry in logged) == 1
+    assert sum(entry["calls/retries"] for entry in logged) == 1
+
+
+def test_a_resume_with_another_staleness_is_refused(make_config, tokenizer, load_models, prompt_dataset, tmp_path):
+    settings = dict(ASYNC, max_staleness=1, save_strategy="steps", save_steps=2)
+    output_dir = str(tmp_path / "run")
+    first = make(make_config, tokenizer, load_models, prompt_dataset, [StopAfter(2)], output_dir=output_dir,
+                 **settings)  # fmt: skip
+    first.train()
+    other = make(make_config, tokenizer, load_models, prompt_dataset, output_dir=output_dir,
+                 **dict(settings, max_staleness=2))  # fmt: skip
+    with pytest.raises(ValueError, match="written by a run with `max_staleness=1`"):
+        other.train(resume_from_checkpoint=True)
 
 
 class _nothing:

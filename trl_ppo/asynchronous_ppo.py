@@ -12,6 +12,7 @@ from transformers.utils import logging
 
 from . import checkpoint as ckpt
 from .checkpoint.rng import rng_file
+from .deadlines import add_counts, take_counts
 from .off_policy import behaviour_weights
 from .rollout import Rollout, add_logprobs_and_values
 from .rollout.agreement import agreement_metrics, agreement_sums
@@ -66,9 +67,9 @@ class AsyncMethods:
         sampled = self._async_sampler.next(update)
         rollout = sampled.rollout
         if self.agents is not None:  # the episodes' records, for the `env/` metrics and `trajectory_dir`
-            self.agents.episodes = sampled.played
-        rollout.sampler_logprobs = rollout.logprobs
-        add_logprobs_and_values(rollout, self._models(), self.args, reference=False)
+            self.agents.episodes = sampled.extra["episodes"]
+        add_counts(*sampled.extra["calls"])  # `calls/timeouts`, `calls/retries`
+        add_logprobs_and_values(rollout, self._models(), self.args, reference=False)  # the proximal policy's
         self._staleness = update - 1 - sampled.version
         return rollout, sampled.scores_per_reward
 
@@ -78,16 +79,21 @@ class AsyncMethods:
         rollout.scores, scores_per_reward = self.score(rollout, batch)
         return rollout, scores_per_reward
 
-    def _sample_ahead(self, batch: dict) -> tuple[Rollout, dict, list | None]:
-        """The sampler process's work: `_sample_and_score_now` with its (older) weights; the values are left to
-        the trainer, which computes them with its current critic. With tools or environments, also the episodes'
-        records, without their environments and tools (they stay, and are closed, in this process)."""
+    def _sample_ahead(self, update: int, batch: dict) -> tuple[Rollout, dict, dict]:
+        """The sampler process's work for `update`: `_sample_and_score_now` with its (older) weights. The behaviour
+        policy's log-probs are the sampler's own where it records them (the episode engine), else this process's
+        forward; the values are left to the trainer, which computes them with its current critic. With tools or
+        environments, also the episodes' records, without their environments and tools (they stay, and are
+        closed, in this process); and the counts of calls into user code that timed out or were retried."""
+        self.state.global_step = update - 1  # this process's copy: what its errors name
         rollout, scores_per_reward = self._sample_and_score_now(batch)
+        if rollout.sampler_logprobs is None:
+            rollout.sampler_logprobs = rollout.logprobs
         rollout.values = None
-        played = None
+        episodes = None
         if self.agents is not None:
-            played = [dataclasses.replace(episode, environment=None, tools={}) for episode in self.agents.episodes]
-        return rollout, scores_per_reward, played
+            episodes = [dataclasses.replace(episode, environment=None, tools={}) for episode in self.agents.episodes]
+        return rollout, scores_per_reward, {"episodes": episodes, "calls": take_counts()}
 
     def _publish_weights(self, update: int) -> None:
         """After `update`: the sampler samples with the new weights from the batch that is due to."""

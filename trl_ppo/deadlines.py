@@ -63,6 +63,13 @@ def is_transient(error: BaseException) -> bool:
     return any(cls.__name__.endswith(TRANSIENT_ENDINGS) for cls in type(error).__mro__)
 
 
+def add_counts(timeouts: int, retries: int) -> None:
+    """Count calls that another process made for this one (the sampler process of `max_staleness`)."""
+    with _counts_lock:
+        _counts["timeouts"] += timeouts
+        _counts["retries"] += retries
+
+
 def take_counts() -> tuple[int, int]:
     """(timeouts, retries) of this process since the last call, which sets them back to 0."""
     with _counts_lock:

@@ -200,7 +200,6 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, AsyncMeth
                 if not last and self._may_drop_rollout() and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, start_of_update)  # drops this rollout
                 update_stats = self.ppo_update(trained, advantages).stats
-                self._publish_weights(update)  # with `max_staleness`: to the sampler process
                 self._write_trajectories(update, trained, rewards, advantages)  # applied: with `trajectory_dir`
 
                 metrics = self._update_metrics(rollout, rewards, update_stats, scores_per_reward, trained, advantages)
@@ -210,6 +209,7 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, AsyncMeth
                 self._end_update(metrics)  # log / evaluate / save
                 if not last and ckpt.stop_requested(preemption, self.accelerator):
                     self._exit_after_checkpoint(preemption.requested, None)
+                self._publish_weights(update)  # with `max_staleness`: to the sampler, once the saves are done
                 if self.control.should_training_stop:
                     break
             output = self._end_training()

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 
 
-def capture_rng_state() -> dict:
-    """Every RNG this process draws from (python, numpy, torch CPU and CUDA)."""
+def capture_rng_state(cuda: bool = True) -> dict:
+    """Every RNG this process draws from (python, numpy, torch CPU and, unless `cuda=False`, CUDA)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
+    if cuda and torch.cuda.is_available():
         state["cuda"] = torch.cuda.random.get_rng_state_all()
     return state
 

@@ -10,15 +10,17 @@ in, the sampler copies them into its own policy; nothing goes through disk.
 
 The sampler process is forked from the trainer's when the run's updates begin, so it holds a copy of everything the
 trainer had (the models, the reward functions, the tokenizer, its RNG) without pickling any of it; its work is a
-callable of the trainer's (`collect(batch) -> (rollout, scores_per_reward, played)`, `played` what else the trainer
-needs about the episodes: the agents' records of them). What it sends back is the rollout with
-the behaviour policy's log-probs, the reference's and the scores; the trainer recomputes the proximal policy's
-log-probs and the values with its current weights. CPU only: a process that has touched CUDA cannot be forked;
-the sampler computes on one thread.
+callable of the trainer's (`collect(index, batch) -> (rollout, scores_per_reward, extra)`, `extra` what else the
+trainer needs: the agents' records of the episodes, the counts of calls into user code that timed out). What it
+sends back is the rollout with the behaviour policy's log-probs, the reference's and the scores; the trainer
+recomputes the proximal policy's log-probs and the values with its current weights. CPU only: the sampler runs on
+one thread, and uses no CUDA (a forked process cannot).
 """
 
 from __future__ import annotations
 
+import io
+import mmap
 import multiprocessing
 import os
 import queue
@@ -43,12 +45,21 @@ def sampling_version(batch: int, max_staleness: int) -> int:
 
 
 class SharedWeights:
-    """A module's tensors (`state_dict`) in shared memory, and the version (updates applied) they hold."""
+    """A module's tensors (`state_dict`) in memory shared with the forked sampler (one anonymous shared mapping:
+    inherited by the fork, and not `/dev/shm`, which containers keep small), and the version (updates applied)
+    they hold."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.tensors = {name: tensor.detach().to("cpu", copy=True).share_memory_()
-                        for name, tensor in module.state_dict().items()}  # fmt: skip
+        state = {name: tensor.detach() for name, tensor in module.state_dict().items()}
+        sizes = [tensor.numel() * tensor.element_size() for tensor in state.values()]
+        self._memory = mmap.mmap(-1, max(1, sum(sizes)))  # MAP_SHARED | MAP_ANONYMOUS
+        self.tensors, offset = {}, 0
+        for (name, tensor), size in zip(state.items(), sizes):
+            view = torch.frombuffer(self._memory, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+            self.tensors[name] = view.view(tensor.shape)
+            offset += size
         self.version = multiprocessing.get_context("fork").Value("q", 0)  # its lock guards the tensors too
+        self.publish(module, 0)
 
     @torch.no_grad()
     def publish(self, module: nn.Module, version: int) -> None:
@@ -68,20 +79,33 @@ class SharedWeights:
 @dataclass
 class Sampled:
     """One batch as the sampler sent it: its index (1-based), the policy version that sampled it, the rollout, the
-    scores per reward and what else `collect` returned about the episodes (`played`), and the sampler's RNG state
-    after it (what a resume restores)."""
+    scores per reward and what else `collect` returned (`extra`: the agents' records of the episodes, the calls
+    into user code that timed out), and the sampler's RNG state after it (what a resume restores)."""
 
     batch: int
     version: int
     rollout: object  # a `Rollout`
     scores_per_reward: dict
-    played: object
+    extra: dict
     rng: dict
+
+
+def _pack(item) -> bytes:
+    """`item` as bytes for a queue. Tensors travel by value: torch's own queues would pass each through a file
+    descriptor served by the sending process, which a sampler that failed (or was killed) no longer serves."""
+    buffer = io.BytesIO()
+    torch.save(item, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _sampler_loop(collect: Callable, policy: nn.Module, weights: SharedWeights, inbox, outbox, taken) -> None:
     """The sampler process: take (batch index, batch, version, RNG state to restore or None) from `inbox` until
-    None, and put a `Sampled` (or ("error", index, traceback)) on `outbox`."""
+    None, and put a `Sampled` (or ("error", index, traceback)) on `outbox`. After an error it only waits for the
+    None: a process that ends with its last message unread would block on it."""
     # A signal to the process group (Ctrl-C, a scheduler's SIGTERM) is the trainer's to handle: it finishes its
     # update, saves what this process sampled ahead, then stops it. Without a trainer this process ends itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -90,9 +114,11 @@ def _sampler_loop(collect: Callable, policy: nn.Module, weights: SharedWeights, 
     # OpenMP's threads do not survive a fork (a parallel region in the child would wait for them forever): the
     # sampler runs on one thread, as DataLoader workers do.
     torch.set_num_threads(1)
-    loaded = None
+    loaded, failed = None, False
     while (item := _next_item(inbox, trainer)) is not None:
-        index, batch, version, rng = item
+        if failed:
+            continue
+        index, batch, version, rng = _unpack(item)
         try:
             if rng is not None:
                 restore_rng_state(rng)
@@ -101,10 +127,11 @@ def _sampler_loop(collect: Callable, policy: nn.Module, weights: SharedWeights, 
                 if loaded != version:
                     raise RuntimeError(f"batch {index} is to be sampled by version {version}, shared: {loaded}")
             taken.value = index
-            outbox.put(Sampled(index, version, *collect(batch), capture_rng_state()))
+            # the CPU's generators only: asking for CUDA's would initialise CUDA in a forked process
+            outbox.put(_pack(Sampled(index, version, *collect(index, batch), capture_rng_state(cuda=False))))
         except BaseException:  # noqa: BLE001  (everything goes back to the trainer, which raises it)
-            outbox.put(("error", index, traceback.format_exc()))
-            return
+            outbox.put(_pack(("error", index, traceback.format_exc())))
+            failed = True
 
 
 def _next_item(inbox, trainer: int):
@@ -121,9 +148,10 @@ class AsyncSampler:
     """The trainer's side of the sampler process: it sends batches ahead, receives them in order, publishes the
     weights after each update, and saves / restores what is in flight at a checkpoint.
 
-    `collect(batch)`: the sampler's work; `policy`: the module whose weights the sampler samples with (the sampler's
-    copy is the forked one); `batches`: the data iterator (the trainer's `data.batches_forever`); `last_batch`: the
-    run's last update. `restored`: a `state_dict` of a checkpoint (the batches it had sampled ahead)."""
+    `collect(index, batch)`: the sampler's work on batch `index`; `policy`: the module whose weights the sampler
+    samples with (the sampler's copy is the forked one); `batches`: the data iterator (the trainer's
+    `data.batches_forever`); `last_batch`: the run's last update. `restored`: a `state_dict` of a checkpoint (the
+    batches it had sampled ahead), written with the same `max_staleness`."""
 
     def __init__(
         self,
@@ -135,6 +163,11 @@ class AsyncSampler:
         last_batch: int,
         restored: dict | None = None,
     ) -> None:
+        if restored is not None and restored["max_staleness"] != max_staleness:
+            raise ValueError(
+                f"The checkpoint was written by a run with `max_staleness={restored['max_staleness']}`, whose "
+                f"batches sampled ahead follow that schedule: resume with it (not {max_staleness}), or start anew."
+            )
         self.max_staleness, self.batches, self.last_batch = max_staleness, batches, last_batch
         self.weights = SharedWeights(policy)
         self.weights.version.value = done_updates
@@ -157,42 +190,38 @@ class AsyncSampler:
 
     def _send(self, batch: int) -> None:
         rng, self.rng = self.rng, None  # a restored RNG goes with the first batch sampled after the resume
-        self.inbox.put((batch, next(self.batches), sampling_version(batch, self.max_staleness), rng))
+        self.inbox.put(_pack((batch, next(self.batches), sampling_version(batch, self.max_staleness), rng)))
         self.sent = batch
 
     def next(self, batch: int) -> Sampled:
         """The sampled batch `batch`, waiting for it."""
         while batch not in self.received:
-            self._store(self._receive())
+            self._poll(POLL_SECONDS)
         self.consumed = batch
         return self.received.pop(batch)
 
-    def _store(self, item: Sampled) -> None:
+    def _poll(self, seconds: float) -> None:
+        """Take what the sampler sent within `seconds`, if anything; its failure, or its death, raised here."""
+        try:
+            data = self.outbox.get(timeout=seconds)
+        except queue.Empty:
+            if not self.process.is_alive():
+                raise RuntimeError(
+                    f"The sampler process (max_staleness) died with exit code {self.process.exitcode} before "
+                    "sending its batch; the last checkpoint is intact."
+                ) from None
+            return
+        item = _unpack(data)
+        if isinstance(item, tuple):  # ("error", index, traceback)
+            raise RuntimeError(f"The sampler process failed on batch {item[1]}:\n{item[2]}")
         self.received[item.batch] = item
-
-    def _receive(self) -> Sampled:
-        while True:
-            try:
-                item = self.outbox.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise RuntimeError(
-                        f"The sampler process (max_staleness) died with exit code {self.process.exitcode} before "
-                        "sending its batch; the last checkpoint is intact."
-                    ) from None
-                continue
-            if isinstance(item, tuple):  # ("error", index, traceback)
-                raise RuntimeError(f"The sampler process failed on batch {item[1]}:\n{item[2]}")
-            return item
 
     def publish(self, policy: nn.Module, version: int) -> None:
         """After update `version`: once the sampler has taken every batch that samples with version - 1, share
         the new weights and send the batch that samples with them."""
         needed = min(version + self.max_staleness, self.last_batch)  # the last batch of version - 1
         while self.taken.value < needed:
-            if not self.process.is_alive():
-                self._store(self._receive())  # a batch sent before it stopped, or the error that stopped it
-            self.process.join(timeout=0.01)
+            self._poll(0.01)  # what it sends meanwhile is kept; a failure is raised
         self.weights.publish(policy, version)
         if version + 1 + self.max_staleness <= self.last_batch:
             self._send(version + 1 + self.max_staleness)
@@ -201,9 +230,10 @@ class AsyncSampler:
         """Everything in flight, for a checkpoint: every batch sent, sampled (waiting for those still sampling), and
         the sampler's RNG after the last of them."""
         while any(batch not in self.received for batch in range(self.consumed + 1, self.sent + 1)):
-            self._store(self._receive())
+            self._poll(POLL_SECONDS)
         pending = [self.received[batch] for batch in sorted(self.received)]
-        return {"pending": pending, "rng": pending[-1].rng if pending else self.rng}
+        rng = pending[-1].rng if pending else self.rng
+        return {"pending": pending, "rng": rng, "max_staleness": self.max_staleness}
 
     def close(self) -> None:
         """Stop the sampler process (what it was sampling is dropped: a checkpoint has what a resume needs)."""
