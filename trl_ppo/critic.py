@@ -172,7 +172,8 @@ class CriticWatch:
             "constant, so GAE's advantages are those of a batch-mean baseline. To let it learn: "
             "`critic_learning_rate` (the value function's own rate, e.g. 5x `learning_rate`), `num_critic_epochs` "
             "(value-only epochs in every update), `critic_warmup_steps` (value pretraining on the initial policy's "
-            "rollouts) or `lam_value` (1.0: Monte-Carlo value targets). See docs/reference/metrics.md."
+            "rollouts), `lam_value` (1.0: Monte-Carlo value targets), or a `value_model` initialised apart from "
+            "the policy (a policy's features can ignore what the returns depend on). See docs/reference/metrics.md."
         )
         logger.warning(message)
         return message
