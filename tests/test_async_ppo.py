@@ -40,7 +40,8 @@ def test_what_asynchronous_sampling_cannot_run_with_is_refused(make_config, toke
         trainer.step([query] * 8, [response] * 8, [1.0] * 8)
 
 
-@pytest.mark.parametrize("correction", ["decoupled", "tis", "none"])
+@pytest.mark.parametrize("correction", ["decoupled", pytest.param("tis", marks=pytest.mark.slow),
+                                        pytest.param("none", marks=pytest.mark.slow)])  # fmt: skip
 def test_a_stale_run_trains_k_updates_behind_and_repeats(correction, make_config, tokenizer, load_models,
                                                          prompt_dataset, tmp_path):  # fmt: skip
     """Each update's episodes come from the policy `max_staleness` updates before it (fewer at the start): the
@@ -71,6 +72,7 @@ class StopAfter(TrainerCallback):
             control.should_training_stop = True
 
 
+@pytest.mark.slow  # a full run or two: `make test` runs it, the quick loop does not
 def test_resume_trains_on_exactly_what_the_run_would_have(make_config, tokenizer, load_models, prompt_dataset,
                                                           tmp_path):  # fmt: skip
     """6 updates straight vs. stopped after update 2 (its checkpoint holds the batch sampled ahead) and resumed:
@@ -109,6 +111,7 @@ def test_a_failing_reward_in_the_sampler_stops_the_run_with_its_traceback(stalen
         trainer.train()
 
 
+@pytest.mark.slow  # a full run or two: `make test` runs it, the quick loop does not
 def test_calls_into_user_code_that_timed_out_in_the_sampler_are_counted(make_config, tokenizer, load_models,
                                                                         prompt_dataset):  # fmt: skip
     import time
@@ -182,6 +185,7 @@ def test_agents_sample_ahead_too(make_config, tmp_path):
     assert all("objective/scores/environment" in entry for entry in logs)
 
 
+@pytest.mark.slow  # a full run or two: `make test` runs it, the quick loop does not
 def test_a_signal_checkpoints_what_is_in_flight_and_the_resumed_run_ends_as_the_straight_one(
     make_config, tokenizer, load_models, prompt_dataset, tmp_path
 ):
@@ -215,6 +219,7 @@ def test_a_signal_checkpoints_what_is_in_flight_and_the_resumed_run_ends_as_the_
         assert torch.equal(tensor, weights(resumed)[name]), name
 
 
+@pytest.mark.slow  # a full run or two: `make test` runs it, the quick loop does not
 def test_an_async_reward_function_runs_in_the_sampler_process(make_config, tokenizer, load_models, prompt_dataset):
     """The run's event loop (a daemon thread) does not survive the fork: the sampler starts its own."""
     import asyncio

@@ -216,14 +216,16 @@ def test_a_run_whose_critic_explains_nothing_logs_the_warning(make_config, token
     assert trainer.run.critic_watch.warned and trainer.run.state_dict()["critic_watch"]["streak"] == 6
 
 
+@pytest.mark.slow  # two full runs: `make test` runs it, the quick loop does not
 def test_value_only_epochs_run_the_value_model_alone_and_train_exactly_as_before(
     make_config, tokenizer, load_models, prompt_dataset, monkeypatch
 ):
     """With a separate value model in one process, a value-only epoch (`num_critic_epochs`, the warm-up's later
     epochs) skips the policy's forward and backward (weighted 0 there): the same weights and logs as the full pass,
     and the policy's forward is called fewer times."""
-    import trl_ppo.update as update
     from test_resume import logs_without_time, make, weights
+
+    import trl_ppo.update as update
 
     settings = dict(num_critic_epochs=3, critic_warmup_steps=1, critic_warmup_epochs=3, save_strategy="no",
                     total_episodes=24)  # fmt: skip
