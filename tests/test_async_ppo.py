@@ -3,6 +3,7 @@ behind, with a named off-policy correction; the refusals, the schedule, repeatab
 
 import pytest
 import torch
+from conftest import needs_tool_parsing
 from test_resume import logs_without_time, make, weights
 from transformers import TrainerCallback
 
@@ -152,6 +153,7 @@ class _nothing:
         return False
 
 
+@needs_tool_parsing
 def test_agents_sample_ahead_too(make_config, tmp_path):
     """Multi-turn episodes with an environment (the credit benchmark's chain_2, a random tiny policy) played in the
     sampler process: the environment's reward and the `env/` metrics reach the trainer, one update behind."""
