@@ -163,5 +163,18 @@ def test_the_trl_cross_check_learns_chain_2_and_writes_a_row_counted_from_the_en
     row = json.loads(out.read_text())
     assert row["estimator"] == "trl_grpo" and row["trainer"].startswith("trl ") and row["episodes"] == 12 * 16
     assert_learnt_chain_2(row, updates=12, batch=16)
-    refused = subprocess.run([*command[:3], "key_to_door", *command[4:]], capture_output=True, text=True)
-    assert refused.returncode != 0 and "pays per turn" in refused.stderr
+
+
+def test_the_trl_cross_check_pays_what_the_tools_paid_through_get_reward():
+    """TRL reads a tool's answer as text: the cross-check's environments answer with the observation alone and add
+    the payment (random_start's end payment, key_to_door's apples) to `get_reward`, while the success curve counts
+    the success only."""
+    import trl_grpo
+
+    outcomes = []
+    env = trl_grpo.recording("random_start", outcomes)()
+    env.reset(seed=0, start="dab")
+    answers = [env.c(), env.a(), env.a(), env.a()]
+    assert all(isinstance(answer, str) for answer in answers) and answers[-1] == "end"
+    assert env.get_reward() == 1.0 + 3 * tasks.BONUS  # success, and the start's payment for "d"
+    assert outcomes == [1.0]
