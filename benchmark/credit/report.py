@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import textwrap
 
 
 def method(row: dict) -> str:
@@ -158,9 +159,10 @@ def summary(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str, smooth: int = 10, field: str = "success_curve",
-         ylabel: str = "training success") -> None:
+         ylabel: str = "training success", low: float | None = None) -> None:
     """One panel per task: each method's training success (or another per-update `field` of the rows: mean over
-    seeds, moving mean of `smooth` updates; updates where it is undefined are left out of the mean)."""
+    seeds, moving mean of `smooth` updates; updates where it is undefined are left out of the mean, values below
+    `low` drawn at `low`: an explained variance over returns that barely vary can be -10^4)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,10 +179,12 @@ def plot(rows: list[dict], path: str, smooth: int = 10, field: str = "success_cu
             if not curves:
                 continue
             steps = min(map(len, curves))
-            mean = [statistics.mean([c[i] for c in curves if c[i] is not None] or [0.0]) for i in range(steps)]
+            floor = (lambda v: v) if low is None else (lambda v: max(v, low))  # noqa: E731
+            mean = [statistics.mean([floor(c[i]) for c in curves if c[i] is not None] or [0.0]) for i in range(steps)]
             moving = [statistics.mean(mean[max(0, i - smooth + 1):i + 1]) for i in range(steps)]
             per_update = next(r["episodes_per_update"] for r in rows if r["task"] == task and method(r) == name)
-            axis.plot([(i + 1) * per_update for i in range(steps)], moving, label=f"{name} ({len(curves)})")
+            label = textwrap.fill(f"{name} ({len(curves)})", 48)
+            axis.plot([(i + 1) * per_update for i in range(steps)], moving, label=label)
         axis.set_title(task)
         axis.set_xlabel("episodes")
         axis.axhline(0.8 if field == "success_curve" else 0.5, color="grey", linewidth=0.5)
@@ -216,7 +220,7 @@ def main(argv=None) -> None:
     if args.plot:
         plot(rows, args.plot)
     if args.ev_plot:
-        plot(rows, args.ev_plot, field="ev_turn_1", ylabel="first-turn explained variance")
+        plot(rows, args.ev_plot, field="ev_turn_1", ylabel="first-turn explained variance", low=-1.0)
 
 
 if __name__ == "__main__":
