@@ -4,10 +4,11 @@
 coefficient → step the learning-rate schedule → log / evaluate / save. Each step is a short method that hands the
 models, the config and the run's state (`run_state.RunState`) to a piece with explicit inputs: `rollout.py`
 (sampling, log-probs, values), `rewards.py` (scores), `ppo.py` (the math), `update.py` (the PPO epochs),
-`evaluation.py`, `completions.py`, `checkpoint/` and `saving.py`. Three mixins add methods: `evaluate()` and
+`evaluation.py`, `completions.py`, `checkpoint/` and `saving.py`. Four mixins add methods: `evaluate()` and
 `generate_completions()` (`evaluation.EvaluationMethods`), `step()`, which runs the same steps on episodes made
-outside the trainer (`step_methods.StepMethods`), and `create_optimizer()` with the critic's own learning rate
-(`critic.CriticMethods`).
+outside the trainer (`step_methods.StepMethods`), `create_optimizer()` with the critic's own learning rate
+(`critic.CriticMethods`), and where each update's episodes come from, sampled now or by a sampler process running
+`max_staleness` batches ahead (`asynchronous_ppo.AsyncMethods`).
 """
 
 from __future__ import annotations
