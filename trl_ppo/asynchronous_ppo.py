@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
-from .checkpoint.rng import rng_file
+from .checkpoint.rng import read_rng_file
 from .deadlines import add_counts, take_counts
 from .off_policy import behaviour_weights
 from .rollout import Rollout, add_logprobs_and_values
@@ -125,7 +124,7 @@ class AsyncMethods:
 
     def _restore_checkpoint(self, path: str) -> None:
         super()._restore_checkpoint(path)
-        state = torch.load(rng_file(path, self.accelerator.process_index), weights_only=False).get(ASYNC_STATE)
+        state = read_rng_file(path, self.accelerator.process_index).get(ASYNC_STATE)
         if state is not None and not self.args.max_staleness:
             logger.warning(
                 f"{path} holds {len(state['pending'])} batch(es) a sampler process sampled ahead (`max_staleness`), "

@@ -23,7 +23,7 @@ from torch import nn
 from transformers.utils import logging
 
 from . import losses
-from .models import PreparedModels, scalar_head_outputs
+from .models import PreparedModels
 from .rollout import Rollout, chunks
 
 logger = logging.get_logger(__name__)
@@ -117,21 +117,27 @@ def value_pass_backward(
     (`loss/value_avg`, `val/clipfrac_avg`), lists per micro-batch."""
     episodes = episodes.trim_padding()
     with models.accelerator.autocast():
-        values = scalar_head_outputs(models.wrapper.value_model, episodes.input_ids, episodes.attention_mask)
-    values = values[:, -episodes.responses.size(1) - 1 : -1]
+        values = models.wrapper.values(episodes.input_ids, episodes.attention_mask, episodes.responses.size(1))
     stats, loss = defaultdict(list), 0.0
     for part in chunks(episodes.queries.size(0), args.per_device_train_batch_size):
-        micro = episodes.select(part)
-        mask = micro.response_mask
-        value_loss, value_stats = losses.value_loss(
-            values[part], micro.values, micro.returns, mask, args.cliprange_value, aggregation
-        )
-        own = aggregation.normaliser / losses.aggregation_count(mask, aggregation.mode).clamp(min=1)
-        stats["loss/value_avg"].append(value_loss.detach() * own)
-        stats["val/clipfrac_avg"].append(value_stats["clipfrac"])
+        value_loss, value_stats = value_terms(episodes.select(part), values[part], args, aggregation)
+        for key, value in value_stats.items():
+            stats[key].append(value)
         loss = loss + args.vf_coef * value_loss
     models.accelerator.backward(loss * scale)
     return stats
+
+
+def value_terms(
+    micro: Rollout, new_values: torch.Tensor, args, aggregation: losses.LossAggregation
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped value loss of a micro-batch (`new_values` `[b, T]`, reduced by the minibatch's `aggregation`:
+    its share of the minibatch's loss) and its stats as the update reports them: `loss/value_avg` (as the
+    micro-batch's own loss) and `val/clipfrac_avg`."""
+    mask = micro.response_mask
+    loss, stats = losses.value_loss(new_values, micro.values, micro.returns, mask, args.cliprange_value, aggregation)
+    own = aggregation.normaliser / losses.aggregation_count(mask, aggregation.mode).clamp(min=1)
+    return loss, {"loss/value_avg": loss.detach() * own, "val/clipfrac_avg": stats["clipfrac"]}
 
 
 # ------------------------------------------------------------------------------------------- the watch

@@ -172,9 +172,13 @@ class PolicyAndValueWrapper(nn.Module):
             entropy_grad,
         )
         if self.value_model is not None:
-            values = scalar_head_outputs(self.value_model, input_ids, attention_mask)
-            output.values = values[:, -responses.size(1) - 1 : -1]
+            output.values = self.values(input_ids, attention_mask, responses.size(1))
         return output
+
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> torch.Tensor:
+        """The separate value model's V(s_t) `[B, T]` before each of the last `response_length` tokens of
+        `input_ids` `[B, L]` (the state after the token before it)."""
+        return scalar_head_outputs(self.value_model, input_ids, attention_mask)[:, -response_length - 1 : -1]
 
 
 def with_value_function(

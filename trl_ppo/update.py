@@ -16,7 +16,7 @@ import torch
 from transformers.utils import logging
 
 from . import losses, ppo
-from .critic import value_pass_backward, value_pass_possible
+from .critic import value_pass_backward, value_pass_possible, value_terms
 from .models import PreparedModels
 from .off_policy import behaviour_weights
 from .rollout import Rollout, chunks, masked_response_logprobs
@@ -299,10 +299,8 @@ def micro_batch_loss(
     }
     vf_loss = 0.0
     if new_values is not None:
-        vf_loss, vf_stats = losses.value_loss(
-            new_values, micro.values, micro.returns, mask, args.cliprange_value, aggregation
-        )
-        stats |= {"loss/value_avg": vf_loss.detach() * own, "val/clipfrac_avg": vf_stats["clipfrac"]}
+        vf_loss, value_stats = value_terms(micro, new_values, args, aggregation)
+        stats |= value_stats
     stats |= {"policy/entropy_avg": ppo.masked_mean(entropy.detach(), mask), "val/ratio": pg_stats["ratio"]}
     for name in ("clipfrac_low", "clipfrac_high", "dual_clipfrac"):
         if name in pg_stats:

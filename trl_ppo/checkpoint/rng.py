@@ -30,12 +30,17 @@ def rng_file(folder: str, process_index: int) -> str:
     return os.path.join(folder, f"rng_state_{process_index}.pth")
 
 
-def load_rng_state(folder: str, process_index: int) -> None:
+def read_rng_file(folder: str, process_index: int) -> dict:
+    """The per-process file of checkpoint `folder` as saved: the RNG states (and, with `max_staleness`, the sampler
+    process's batches in flight)."""
     path = rng_file(folder, process_index)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing: this checkpoint was written by a run with fewer processes.")
     try:  # the file holds numpy/python RNG tuples, which the safe loader does not know
-        state = torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False)
     except Exception as error:
         raise ValueError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
-    restore_rng_state(state)
+
+
+def load_rng_state(folder: str, process_index: int) -> None:
+    restore_rng_state(read_rng_file(folder, process_index))

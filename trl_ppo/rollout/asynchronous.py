@@ -49,7 +49,7 @@ class SharedWeights:
     inherited by the fork, and not `/dev/shm`, which containers keep small), and the version (updates applied)
     they hold."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, version: int = 0) -> None:
         state = {name: tensor.detach() for name, tensor in module.state_dict().items()}
         sizes = [tensor.numel() * tensor.element_size() for tensor in state.values()]
         self._memory = mmap.mmap(-1, max(1, sum(sizes)))  # MAP_SHARED | MAP_ANONYMOUS
@@ -58,8 +58,8 @@ class SharedWeights:
             view = torch.frombuffer(self._memory, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
             self.tensors[name] = view.view(tensor.shape)
             offset += size
-        self.version = multiprocessing.get_context("fork").Value("q", 0)  # its lock guards the tensors too
-        self.publish(module, 0)
+        self.version = multiprocessing.get_context("fork").Value("q", version)  # its lock guards the tensors too
+        self.publish(module, version)
 
     @torch.no_grad()
     def publish(self, module: nn.Module, version: int) -> None:
@@ -169,8 +169,7 @@ class AsyncSampler:
                 f"batches sampled ahead follow that schedule: resume with it (not {max_staleness}), or start anew."
             )
         self.max_staleness, self.batches, self.last_batch = max_staleness, batches, last_batch
-        self.weights = SharedWeights(policy)
-        self.weights.version.value = done_updates
+        self.weights = SharedWeights(policy, done_updates)
         context = multiprocessing.get_context("fork")
         self.inbox, self.outbox, self.taken = context.Queue(), context.Queue(), context.Value("q", 0)
         self.received: dict[int, Sampled] = {}
