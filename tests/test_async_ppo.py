@@ -236,3 +236,86 @@ def test_an_async_reward_function_runs_in_the_sampler_process(make_config, token
     trainer = make(make_config, tokenizer, load_models, prompt_dataset, rewards=reward, **ASYNC)
     trainer.train()
     assert all("objective/scores" in entry for entry in trainer.state.log_history[:-1])
+
+
+def test_a_batch_is_scored_on_the_main_thread_while_the_next_one_samples(make_config, tokenizer, load_models,
+                                                                         prompt_dataset, tmp_path):  # fmt: skip
+    """A plain reward function runs on the sampler process's main thread (as it would without `max_staleness`), and
+    the next batch samples meanwhile: the policy's forwards go on while the first batch's scoring waits for them.
+    Batches still arrive in order (the logged staleness follows the schedule)."""
+    import json
+    import threading
+    import time
+
+    forwards, record = [], tmp_path / "scoring.jsonl"
+
+    def reward(prompts, completions, **columns):
+        seen, deadline = len(forwards), time.monotonic() + 20
+        while len(forwards) == seen and time.monotonic() < deadline and not record.exists():  # the first call waits
+            time.sleep(0.01)
+        with open(record, "a") as handle:  # this runs in the sampler process: the test reads the file
+            on_main = threading.current_thread() is threading.main_thread()
+            handle.write(json.dumps({"on_main": on_main, "sampled_meanwhile": len(forwards) > seen}) + "\n")
+        return [0.0] * len(completions)
+
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, rewards=reward, logging_steps=1, **ASYNC)
+    trainer._models().wrapper.lm.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+    trainer.train()
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert all(call["on_main"] for call in calls)
+    assert calls[0]["sampled_meanwhile"]  # batch 2 sampled while batch 1 was scored
+    logs = [entry for entry in trainer.state.log_history if "offpolicy/staleness" in entry]
+    assert [entry["offpolicy/staleness"] for entry in logs] == [0, 1, 1, 1, 1, 1]
+
+
+def test_async_reward_functions_score_batches_at_once(make_config, tokenizer, load_models, prompt_dataset,
+                                                      tmp_path):  # fmt: skip
+    """`async` rewards (an HTTP judge): the sampler scores up to `max_staleness` + 1 batches at once, their calls
+    overlapping on the event loop; the run's numbers are those of the same run with a plain reward function."""
+    import asyncio
+
+    record = tmp_path / "concurrency.txt"
+    running = []
+
+    def judged(completions):
+        return [float(c.split().count("good")) - 0.1 * len(c.split()) for c in completions]
+
+    async def judge(prompts, completions, **columns):
+        running.append(1)
+        with open(record, "a") as handle:
+            handle.write(f"{len(running)}\n")
+        await asyncio.sleep(0.2)
+        running.pop()
+        return judged(completions)
+
+    def plain(prompts, completions, **columns):
+        return judged(completions)
+
+    runs = []
+    for reward in (judge, plain):
+        trainer = make(make_config, tokenizer, load_models, prompt_dataset, rewards=reward,
+                       output_dir=str(tmp_path / reward.__name__), logging_steps=1, **ASYNC)  # fmt: skip
+        assert trainer._sampler_scorers() == (2 if reward is judge else 1)
+        trainer.train()
+        runs.append(trainer)
+    assert max(int(line) for line in record.read_text().split()) == 2
+    def renamed(run, name):
+        return [{key.replace(f"/{name}", "/reward"): value for key, value in e.items()} for e in logs_without_time(run)]
+
+    assert renamed(runs[0], "judge") == renamed(runs[1], "plain")
+
+
+def test_the_sampler_skips_the_value_model(make_config, tokenizer, load_models, prompt_dataset):
+    """Its values would be a stale critic's: the sampler's pass leaves them to the trainer (no value-model forward)
+    and its log-probs are those of the full pass."""
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, **ASYNC)
+    batch = next(iter(trainer.train_dataloader))
+    calls = []
+    trainer._models().wrapper.value_model.score.register_forward_pre_hook(lambda module, inputs: calls.append(1))
+    torch.manual_seed(0)
+    sampled = trainer._sample_ahead(1, dict(batch))
+    assert sampled.values is None and not calls
+    torch.manual_seed(0)
+    full = trainer.collect_rollout(dict(batch))
+    assert calls and full.values is not None
+    assert torch.equal(sampled.sampler_logprobs, full.logprobs) and torch.equal(sampled.ref_logprobs, full.ref_logprobs)

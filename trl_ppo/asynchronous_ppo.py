@@ -13,9 +13,10 @@ from . import checkpoint as ckpt
 from .checkpoint.rng import read_rng_file
 from .deadlines import add_counts, take_counts
 from .off_policy import behaviour_weights
+from .reward_functions import is_async_callable
 from .rollout import Rollout, add_logprobs_and_values
 from .rollout.agreement import agreement_metrics, agreement_sums
-from .rollout.asynchronous import ASYNC_STATE, AsyncSampler
+from .rollout.asynchronous import ASYNC_STATE, AsyncSampler, SamplerWork
 
 logger = logging.get_logger(__name__)
 
@@ -46,8 +47,9 @@ class AsyncMethods:
         """With `max_staleness` >= 1, fork the sampler process and send it the first batches."""
         if not self.args.max_staleness:
             return
+        work = SamplerWork(self._sample_ahead, self._score_ahead, self._sampler_scorers())
         self._async_sampler = AsyncSampler(
-            self._sample_ahead, self._models().wrapper.lm, self.args.max_staleness, batches,
+            work, self._models().wrapper.lm, self.args.max_staleness, batches,
             self.state.global_step, self.args.num_total_batches, self._restored_sampler,
         )  # fmt: skip
         self._restored_sampler = None
@@ -78,21 +80,37 @@ class AsyncMethods:
         rollout.scores, scores_per_reward = self.score(rollout, batch)
         return rollout, scores_per_reward
 
-    def _sample_ahead(self, update: int, batch: dict) -> tuple[Rollout, dict, dict]:
-        """The sampler process's work for `update`: `_sample_and_score_now` with its (older) weights. The behaviour
-        policy's log-probs are the sampler's own where it records them (the episode engine), else this process's
-        forward; the values are left to the trainer, which computes them with its current critic. With tools or
-        environments, also the episodes' records, without their environments and tools (they stay, and are
-        closed, in this process); and the counts of calls into user code that timed out or were retried."""
+    def _sample_ahead(self, update: int, batch: dict) -> Rollout:
+        """The sampler process's sampling of `update`'s episodes, with its (older) weights. The behaviour policy's
+        log-probs are the sampler's own where it records them (the episode engine), else this process's forward;
+        the values are left to the trainer, which computes them with its current critic."""
         self.state.global_step = update - 1  # this process's copy: what its errors name
-        rollout, scores_per_reward = self._sample_and_score_now(batch)
+        rollout = self.collect_rollout(batch, values=False)
         if rollout.sampler_logprobs is None:
             rollout.sampler_logprobs = rollout.logprobs
         rollout.values = None
+        return rollout
+
+    def _score_ahead(self, update: int, rollout: Rollout, batch: dict) -> tuple[dict, dict]:
+        """The sampler process's scoring of `update`'s episodes -> (scores per reward, extra). `extra`: with tools
+        or environments, the episodes' records without their environments and tools (they stay, and are closed,
+        in this process); the counts of calls into user code that timed out or were retried (this process's since
+        the last batch scored: with batches scored at once, a count may land on a neighbour's update)."""
+        rollout.scores, scores_per_reward = self._scoring()(rollout, batch, where=f"Update {update}")
         episodes = None
         if self.agents is not None:
             episodes = [dataclasses.replace(episode, environment=None, tools={}) for episode in self.agents.episodes]
-        return rollout, scores_per_reward, {"episodes": episodes, "calls": take_counts()}
+        return scores_per_reward, {"episodes": episodes, "calls": take_counts()}
+
+    def _sampler_scorers(self) -> int:
+        """How the sampler scores beside sampling (`SamplerWork.scorers`): agents one batch after the other (a
+        batch's environments live until it is scored); `async` reward functions up to `max_staleness` + 1
+        batches at once (as many as can be in flight); anything else one batch while the next samples."""
+        if self.agents is not None:
+            return 0
+        if all(not reward.is_model and is_async_callable(reward.source) for reward in self.rewards):
+            return self.args.max_staleness + 1
+        return 1
 
     def _publish_weights(self, update: int) -> None:
         """After `update`: the sampler samples with the new weights from the batch that is due to."""

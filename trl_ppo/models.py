@@ -156,10 +156,11 @@ class PolicyAndValueWrapper(nn.Module):
         entropy: bool = False,
         keep_logits: bool = False,
         entropy_grad: bool = False,
+        values: bool = True,
     ) -> ResponseOutput:
         """Log-probs of the response tokens `responses` `[B, T]` (the end of `input_ids` `[B, L]`) under the
-        policy and their values `[B, T]` (float32; None without a critic); the other arguments as in
-        `logprobs.response_logprobs`."""
+        policy and their values `[B, T]` (float32; None without a critic, and the separate value model's skipped
+        with `values=False`); the other arguments as in `logprobs.response_logprobs`."""
         output = response_logprobs(
             self.policy,
             input_ids,
@@ -171,7 +172,7 @@ class PolicyAndValueWrapper(nn.Module):
             keep_logits,
             entropy_grad,
         )
-        if self.value_model is not None:
+        if self.value_model is not None and values:
             output.values = self.values(input_ids, attention_mask, responses.size(1))
         return output
 

@@ -48,7 +48,8 @@ def run_once(seed: int, extra: list[str]) -> dict:
         with open(os.path.join(output_dir, "trainer_state.json"), encoding="utf-8") as handle:
             logged = [e for e in json.load(handle)["log_history"] if "objective/scores" in e]
     row = {"seed": seed, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "logs": len(logged),
-           "load_average_1min": round(os.getloadavg()[0], 2)}
+           "load_average_1min": round(os.getloadavg()[0], 2),
+           "eps": round(logged[-1]["eps"], 1)}  # episodes per wall-second of the updates (start-up excluded)
     for name, key in SERIES.items():
         row[name] = [round(logged[0][key], 3), round(logged[-1][key], 3)]
     row["score_curve"] = [round(e["objective/scores"], 4) for e in logged]

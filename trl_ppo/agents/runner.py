@@ -144,9 +144,10 @@ class AgentRunner:
         """Close the environments of a scored batch (`environments.close_environments`)."""
         close_environments(batch.get("environments") or [], self.deadlines.environment)
 
-    def collect(self, batch: dict, models, sampling: Sampling, args) -> Rollout:
-        """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`.
-        The batch gains an `environments` column (reward functions receive it)."""
+    def collect(self, batch: dict, models, sampling: Sampling, args, values: bool = True) -> Rollout:
+        """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`
+        (`values=False`: a separate value model's skipped). The batch gains an `environments` column (reward
+        functions receive it)."""
         device, context = models.accelerator.device, context_length(models.wrapper.lm)
         start = functools.partial(self.start_episodes, batch, args, context)  # a failure stops every process
         episodes = dist.checked_on_every_process(start, device, "environments", (Exception,), "failed", UserCallError)
@@ -174,7 +175,7 @@ class AgentRunner:
         batch["environments"] = [episode.environment for episode in episodes]
         self.episodes = episodes
         rollout = episodes_rollout(episodes, sampling.pad_token_id, args.response_length, device)
-        return add_logprobs_and_values(rollout, models, args)
+        return add_logprobs_and_values(rollout, models, args, values=values)
 
     def _play_continuous(self, episodes: list[Episode], models, sampling: Sampling, args) -> None:
         """Play the episodes with continuous batching over their turns (`rollout.engine`)."""

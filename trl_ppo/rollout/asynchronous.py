@@ -9,24 +9,27 @@ its batch names. The weights travel through shared memory (`SharedWeights`): the
 in, the sampler copies them into its own policy; nothing goes through disk.
 
 The sampler process is forked from the trainer's when the run's updates begin, so it holds a copy of everything the
-trainer had (the models, the reward functions, the tokenizer, its RNG) without pickling any of it; its work is a
-callable of the trainer's (`collect(index, batch) -> (rollout, scores_per_reward, extra)`, `extra` what else the
-trainer needs: the agents' records of the episodes, the counts of calls into user code that timed out). What it
-sends back is the rollout with the behaviour policy's log-probs, the reference's and the scores; the trainer
-recomputes the proximal policy's log-probs and the values with its current weights. CPU only: the sampler runs on
-one thread, and uses no CUDA (a forked process cannot).
+trainer had (the models, the reward functions, the tokenizer, its RNG) without pickling any of it; its work is two
+callables of the trainer's, sampling and scoring (`SamplerWork`). A batch is scored while the next one samples
+(a slow reward, a judge, costs the sampler no sampling time), and `async` reward functions score several batches
+at once. What it sends back is the rollout with the behaviour policy's log-probs, the reference's and the scores;
+the trainer recomputes the proximal policy's log-probs and the values with its current weights. CPU only: the
+sampler's torch runs on one thread, and uses no CUDA (a forked process cannot).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import multiprocessing
 import os
 import queue
 import signal
+import threading
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -102,21 +105,66 @@ def _unpack(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _sampler_loop(collect: Callable, policy: nn.Module, weights: SharedWeights, inbox, outbox, taken) -> None:
+@dataclass(frozen=True)
+class SamplerWork:
+    """The sampler process's work on a batch, given by the trainer: `sample(index, batch) -> rollout` (with the
+    behaviour policy's and the reference's log-probs), then `score(index, rollout, batch) -> (scores_per_reward,
+    extra)`, `extra` what else the trainer needs (the agents' records of the episodes, the calls into user code
+    that timed out).
+
+    `scorers`: how a batch's scoring runs beside the next batch's sampling. 0: not at all, both on the process's
+    main thread one after the other (agents: a batch's environments live from its sampling to its scoring). 1: the
+    next batch samples on a thread of its own while this one is scored on the main thread (where user code runs,
+    as it would without `max_staleness`: signal-based timeouts work). n > 1: up to n batches scored at once, each
+    on a thread that waits for its `async` reward functions on the run's event loop (their calls overlap there, as
+    an HTTP judge's requests do); only for rewards that are all `async` functions."""
+
+    sample: Callable
+    score: Callable
+    scorers: int = 1
+
+
+def _sampler_loop(work: SamplerWork, policy: nn.Module, weights: SharedWeights, inbox, outbox, taken) -> None:
     """The sampler process: take (batch index, batch, version, RNG state to restore or None) from `inbox` until
-    None, and put a `Sampled` (or ("error", index, traceback)) on `outbox`. After an error it only waits for the
-    None: a process that ends with its last message unread would block on it."""
+    None; sample, score, and put a `Sampled` (or ("error", index, traceback)) on `outbox`, in the order of the
+    batches. After an error it only waits for the None: a process that ends with its last message unread would
+    block on it."""
     # A signal to the process group (Ctrl-C, a scheduler's SIGTERM) is the trainer's to handle: it finishes its
     # update, saves what this process sampled ahead, then stops it. Without a trainer this process ends itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    trainer = os.getppid()
     # OpenMP's threads do not survive a fork (a parallel region in the child would wait for them forever): the
-    # sampler runs on one thread, as DataLoader workers do.
+    # sampler's torch runs on one thread, as DataLoader workers do.
     torch.set_num_threads(1)
-    loaded, failed = None, False
+    delivery = _Delivery(outbox, work.score, work.scorers)
+    sampled = _sampled_batches(work.sample, policy, weights, inbox, taken, delivery)
+    if work.scorers == 0:
+        for item in sampled:
+            delivery.submit(item)
+    else:
+        ready = queue.Queue()
+        threading.Thread(target=_hand_over, args=(sampled, ready), daemon=True, name="trl_ppo-sampling").start()
+        for item in iter(ready.get, None):
+            delivery.submit(item)
+    delivery.close()
+
+
+def _hand_over(items: Iterator, ready: queue.Queue) -> None:
+    """Put every item on `ready`, then None (also when taking one failed: the main thread must not wait on)."""
+    try:
+        for item in items:
+            ready.put(item)
+    finally:
+        ready.put(None)
+
+
+def _sampled_batches(sample: Callable, policy: nn.Module, weights: SharedWeights, inbox, taken, delivery):
+    """Yield (index, version, batch, rollout, RNG state after sampling), or ("error", index, traceback), for each
+    item of `inbox` until None; once a batch failed, nothing more."""
+    trainer = os.getppid()
+    loaded = None
     while (item := _next_item(inbox, trainer)) is not None:
-        if failed:
+        if delivery.failed:
             continue
         index, batch, version, rng = _unpack(item)
         try:
@@ -127,11 +175,49 @@ def _sampler_loop(collect: Callable, policy: nn.Module, weights: SharedWeights, 
                 if loaded != version:
                     raise RuntimeError(f"batch {index} is to be sampled by version {version}, shared: {loaded}")
             taken.value = index
+            rollout = sample(index, batch)
             # the CPU's generators only: asking for CUDA's would initialise CUDA in a forked process
-            outbox.put(_pack(Sampled(index, version, *collect(index, batch), capture_rng_state(cuda=False))))
+            yield index, version, batch, rollout, capture_rng_state(cuda=False)
         except BaseException:  # noqa: BLE001  (everything goes back to the trainer, which raises it)
-            outbox.put(_pack(("error", index, traceback.format_exc())))
-            failed = True
+            yield "error", index, traceback.format_exc()
+    delivery.closed = True  # the trainer stopped the sampler: what is still being scored is not wanted
+
+
+class _Delivery:
+    """Scores the sampled batches and puts them on `outbox` in their order, however many are scored at once."""
+
+    def __init__(self, outbox, score: Callable, scorers: int) -> None:
+        self.outbox, self.score = outbox, score
+        self.pool = ThreadPoolExecutor(scorers, thread_name_prefix="trl_ppo-scoring") if scorers > 1 else None
+        self.previous: threading.Event | None = None  # set once the batch before is on `outbox`
+        self.failed = self.closed = False
+
+    def submit(self, sampled: tuple) -> None:
+        before, self.previous = self.previous, threading.Event()
+        job = functools.partial(self._deliver, sampled, before, self.previous)
+        if self.pool is None:
+            job()
+        else:
+            self.pool.submit(job)
+
+    def _deliver(self, sampled: tuple, before: threading.Event | None, done: threading.Event) -> None:
+        item = sampled
+        if sampled[0] != "error":
+            index, version, batch, rollout, rng = sampled
+            try:
+                item = Sampled(index, version, rollout, *self.score(index, rollout, batch), rng)
+            except BaseException:  # noqa: BLE001
+                item = ("error", index, traceback.format_exc())
+        if before is not None:
+            before.wait()
+        if not (self.failed or self.closed):
+            self.outbox.put(_pack(item))
+            self.failed = isinstance(item, tuple)
+        done.set()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 def _next_item(inbox, trainer: int):
@@ -148,14 +234,14 @@ class AsyncSampler:
     """The trainer's side of the sampler process: it sends batches ahead, receives them in order, publishes the
     weights after each update, and saves / restores what is in flight at a checkpoint.
 
-    `collect(index, batch)`: the sampler's work on batch `index`; `policy`: the module whose weights the sampler
+    `work`: the sampler's work on a batch (`SamplerWork`); `policy`: the module whose weights the sampler
     samples with (the sampler's copy is the forked one); `batches`: the data iterator (the trainer's
     `data.batches_forever`); `last_batch`: the run's last update. `restored`: a `state_dict` of a checkpoint (the
     batches it had sampled ahead), written with the same `max_staleness`."""
 
     def __init__(
         self,
-        collect: Callable,
+        work: SamplerWork,
         policy: nn.Module,
         max_staleness: int,
         batches: Iterator[dict],
@@ -180,7 +266,7 @@ class AsyncSampler:
             self.sent, self.rng = max(self.received, default=done_updates), restored["rng"]
         self.taken.value = self.sent
         self.process = context.Process(
-            target=_sampler_loop, args=(collect, policy, self.weights, self.inbox, self.outbox, self.taken),
+            target=_sampler_loop, args=(work, policy, self.weights, self.inbox, self.outbox, self.taken),
             daemon=True, name="trl_ppo-sampler",
         )  # fmt: skip
         self.process.start()

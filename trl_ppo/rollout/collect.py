@@ -39,11 +39,12 @@ class Sampling:
         return cls(backend, args.response_length, args.temperature, stop_token_id, pad_token_id, chunk, gather)
 
 
-def collect_rollout(batch: dict, models: PreparedModels, sampling: Sampling, args) -> Rollout:
+def collect_rollout(batch: dict, models: PreparedModels, sampling: Sampling, args, values: bool = True) -> Rollout:
     """The rollout of a collated batch of prompts: one sampled response each, then `logprobs`, `ref_logprobs`
-    and `values` (no gradients)."""
+    and `values` (no gradients; `values=False`: a separate value model's skipped)."""
     queries, query_mask = prompts_on_device(batch, models.accelerator.device, sampling.pad_token_id)
-    return add_logprobs_and_values(sample_rollout(models, queries, query_mask, sampling), models, args)
+    rollout = sample_rollout(models, queries, query_mask, sampling)
+    return add_logprobs_and_values(rollout, models, args, values=values)
 
 
 def sample_rollout(
@@ -100,13 +101,16 @@ def policy_sampling(models: PreparedModels, sampling: Sampling):
 
 # ------------------------------------------------------------------------------------ logprobs and values
 @torch.no_grad()
-def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args, reference: bool = True) -> Rollout:
+def add_logprobs_and_values(
+    rollout: Rollout, models: PreparedModels, args, reference: bool = True, values: bool = True
+) -> Rollout:
     """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout (values None without a critic; and
     `full_kl` with `kl_penalty="full"`), in chunks of `args.local_rollout_forward_batch_size` episodes. Returns the
     rollout. `reference=False` keeps the rollout's `ref_logprobs` (asynchronous sampling computed them: the
-    reference does not change)."""
+    reference does not change); `values=False` skips a separate value model (the asynchronous sampler's values
+    would be stale: the trainer computes them)."""
     full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk of episodes at a time
-    logprobs, ref_logprobs, values, full_kls = [], [], [], []
+    logprobs, ref_logprobs, value_parts, full_kls = [], [], [], []
     widen = functools.partial(ppo.pad_responses, length=rollout.response_length)  # trimmed chunks back to T
     with models.accelerator.autocast():
         for part in chunks(rollout.queries.size(0), args.local_rollout_forward_batch_size):
@@ -118,6 +122,7 @@ def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args, refe
                 args.temperature,
                 args.logprobs_chunk_size,
                 keep_logits=full_kl,
+                values=values,
             )
             ref_output = reference_output(episodes, models, args, keep_logits=full_kl) if reference else None
             logprobs.append(widen(masked_response_logprobs(output.logprobs, episodes), fill=ppo.INVALID_LOGPROB))
@@ -125,14 +130,14 @@ def add_logprobs_and_values(rollout: Rollout, models: PreparedModels, args, refe
                 ref = masked_response_logprobs(ref_output.logprobs, episodes)
                 ref_logprobs.append(widen(ref, fill=ppo.INVALID_LOGPROB))
             if output.values is not None:  # None without a critic (a critic-free `advantage_estimator`)
-                values.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
+                value_parts.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             if full_kl:
                 exact = kl.full_kl_from_logits(output.logits, ref_output.logits)
                 full_kls.append(widen(exact.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             del output, ref_output  # one chunk of full logits alive at a time
     rollout.logprobs = torch.cat(logprobs)
     rollout.ref_logprobs = torch.cat(ref_logprobs) if reference else rollout.ref_logprobs
-    rollout.values = torch.cat(values) if values else None
+    rollout.values = torch.cat(value_parts) if value_parts else None
     rollout.full_kl = torch.cat(full_kls) if full_kl else None
     return rollout
 
