@@ -13,6 +13,7 @@ OPTIONS_MARK = "<!-- options -->"
 RESULTS = (
     "RESULTS.md", "speed/results.png", "learning/real_model.png", "learning/learning.png", "credit/curves.png",
     "agents/smollm2_tool.png", "agents/slow_tools.png", "credit/critic_ev.png", "credit/critic_curves.png",
+    "asynchronous/curves.png",
 )
 
 

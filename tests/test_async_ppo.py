@@ -319,3 +319,18 @@ def test_the_sampler_skips_the_value_model(make_config, tokenizer, load_models, 
     full = trainer.collect_rollout(dict(batch))
     assert calls and full.values is not None
     assert torch.equal(sampled.sampler_logprobs, full.logprobs) and torch.equal(sampled.ref_logprobs, full.ref_logprobs)
+
+
+@pytest.mark.slow  # a full run each: `make test` runs it, the quick loop does not
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_baseline"])
+def test_every_advantage_estimator_trains_asynchronously(estimator, make_config, tokenizer, load_models,
+                                                         prompt_dataset):  # fmt: skip
+    """The critic-free estimators too (GAE is every other test's): groups of `num_generations` stay whole in the
+    batches sampled ahead, the schedule holds and the losses are finite; no values are computed anywhere."""
+    settings = dict(ASYNC, advantage_estimator=estimator, num_generations=4, logging_steps=1)
+    trainer = make(make_config, tokenizer, load_models, prompt_dataset, **settings)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "offpolicy/staleness" in entry]
+    assert [entry["offpolicy/staleness"] for entry in logs] == [0, 1, 1, 1, 1, 1]
+    assert all(torch.isfinite(torch.tensor(entry["loss/policy_avg"])) for entry in logs)
+    assert all("loss/value_avg" not in entry for entry in logs)

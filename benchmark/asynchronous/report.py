@@ -1,0 +1,100 @@
+"""The table and the learning curves of `run.py`'s rows: per cell and judge, the median episodes per wall-second of
+the updates (`eps`) over the seeds, its ratio to the synchronous cell's median (same judge), the median wall and CPU
+seconds of the whole process, and the final score (the last logged `objective/scores`) as mean, min and max over the
+seeds; the synchronous cell's seed-to-seed range is what "within the spread" is read against; and how soon a run
+gets to a score of 0.5 (the update, read off its logged curve between the points around it; and that in seconds of
+the updates at the run's episodes/s), the median over the seeds. `--plot` draws the score curves (mean over seeds)
+of the cells without a judge (a judge changes the timing, not the scores).
+
+    python benchmark/asynchronous/report.py benchmark/asynchronous/table.jsonl --plot benchmark/asynchronous/curves.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+LOG_EVERY = 10  # updates between the default job's logged points (`logging_steps`)
+EPISODES_PER_UPDATE = 32  # the default job's batch
+TARGET = 0.5  # the score "how soon" is read at
+
+
+def load(path: str) -> dict[tuple, list[dict]]:
+    """Rows grouped by (judge, cell), in the order they first appear."""
+    groups = defaultdict(list)
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                row = json.loads(line)
+                groups[(row["judge"] or "none", row["cell"])].append(row)
+    return groups
+
+
+def update_reaching(curve: list[float], target: float = TARGET) -> float:
+    """The update at which a logged score curve first reaches `target`, linear between its points (inf: never)."""
+    for i, score in enumerate(curve):
+        if score >= target:
+            if i == 0:
+                return float(LOG_EVERY)
+            before = curve[i - 1]
+            return LOG_EVERY * (i + (target - before) / (score - before))
+    return float("inf")
+
+
+def table(groups: dict[tuple, list[dict]]) -> str:
+    header = "| judge | cell | seeds | episodes/s (median) | x sync | wall s | CPU s | final score mean [min, max] "
+    lines = [header + f"| update reaching {TARGET} | seconds to {TARGET} |", "|---" * 10 + "|"]
+    for (judge, cell), rows in groups.items():
+        eps = statistics.median(row["eps"] for row in rows)
+        sync = groups.get((judge, "sync"))
+        ratio = eps / statistics.median(row["eps"] for row in sync) if sync else float("nan")
+        finals = [row["score"][1] for row in rows]
+        wall, cpu = (statistics.median(row[key] for row in rows) for key in ("seconds", "cpu_seconds"))
+        reach = [update_reaching(row["score_curve"]) for row in rows]
+        seconds = [u * EPISODES_PER_UPDATE / row["eps"] for u, row in zip(reach, rows)]
+        lines.append(
+            f"| {judge} | {cell} | {len(rows)} | {eps:.0f} | {ratio:.2f} | {wall:.1f} | {cpu:.1f} | "
+            f"{statistics.mean(finals):.3f} [{min(finals):.3f}, {max(finals):.3f}] | "
+            f"{statistics.median(reach):.1f} | {statistics.median(seconds):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(groups: dict[tuple, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    for (judge, cell), rows in groups.items():
+        if judge != "none":
+            continue
+        curves = [row["score_curve"] for row in rows]
+        mean = [statistics.mean(points) for points in zip(*curves)]
+        steps = [LOG_EVERY * (i + 1) for i in range(len(mean))]
+        axis.plot(steps, mean, marker="o", markersize=3, label=f"{cell} ({len(rows)} seeds)")
+    axis.set_xlabel("update")
+    axis.set_ylabel("objective/scores (mean over seeds)")
+    axis.set_title("The default job: synchronous and asynchronous PPO")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rows")
+    parser.add_argument("--plot", help="PNG of the score curves")
+    args = parser.parse_args(argv)
+    groups = load(args.rows)
+    print(table(groups))
+    if args.plot:
+        plot(groups, args.plot)
+
+
+if __name__ == "__main__":
+    main()
