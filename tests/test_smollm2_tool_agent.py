@@ -194,6 +194,22 @@ def test_a_benchmark_cell_appends_one_row_and_is_skipped_when_run_again(tiny_cha
     assert "skipped" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
 
 
+@pytest.mark.slow
+def test_an_asynchronous_cell_is_its_own_run_and_row(tiny_chatml, tmp_path):
+    """`--max_staleness` reaches the trainer (the sampler process plays the episodes), names the run folder and the
+    row, whose CPU seconds include the sampler process's; TRL's GRPO has no such option."""
+    out = tmp_path / "rows.jsonl"
+    argv = small_run(tiny_chatml, tmp_path, "--estimator", "gae", "--updates", "2", "--max_staleness", "1",
+                     "--off_policy_correction", "tis", "--out", str(out), "--work_dir", str(tmp_path / "work"))
+    assert bench.parse_args(argv).output_dir.endswith("-stale1tis")
+    bench.main(argv)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (row["max_staleness"], row["off_policy_correction"], len(row["training_success"])) == (1, "tis", 2)
+    assert row["train_wall_seconds"] > 0 and row["train_cpu_seconds"] > 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo", "--max_staleness", "1"])
+
+
 def test_the_trl_cross_check_is_refused_a_penalty_trl_does_not_have_and_records_no_kl(tiny_chatml, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo", "--missing_eos_penalty", "1.0"])

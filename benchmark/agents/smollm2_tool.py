@@ -26,15 +26,17 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), os.path.dirname(HERE)]
+sys.path[:0] = [os.path.join(ROOT, "examples", "scripts"), os.path.dirname(HERE),
+                os.path.join(ROOT, "benchmark", "learning")]
 import smollm2_tool_agent as agent  # noqa: E402  (the trainer, reward and evaluation of the demo)
+from default_job import children_cpu_seconds  # noqa: E402  (the sampler process of `max_staleness`, once joined)
 from rows import append_row, has_row  # noqa: E402
 
 task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
               "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "max_grad_norm", "skip_zero_gradient_steps",
-              "warm_start_settings")
+              "warm_start_settings", "max_staleness", "off_policy_correction")
 # Each trainer's own default: `Trainer`'s 1.0 for TRL's GRPO, none (0) for trl_ppo's (PPOv2 clips nothing).
 DEFAULT_MAX_GRAD_NORM = {"trl_grpo": 1.0}
 # What TRL logs of the reward at each step (its name: the function's).
@@ -66,6 +68,10 @@ def parse_args(argv=None):
         changed.append(f"-kl{args.kl_coef:g}")
     if args.skip_zero_gradient_steps:
         changed.append("-skip0")
+    if args.max_staleness:
+        if args.estimator == "trl_grpo":
+            parser.error("--max_staleness: TRL's GRPOTrainer has no such option")
+        changed.append(f"-stale{args.max_staleness}{args.off_policy_correction}")
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
                                    f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}"
                                    f"-eos{args.missing_eos_penalty}" + "".join(changed))
@@ -153,9 +159,10 @@ def run(args, tokenizer) -> dict:
     held_out = task.split_problems()[0][: args.held_out]
     before = summary(agent.warm_start_evaluation(args, tokenizer, held_out))
     resumed = last_checkpoint(args.output_dir)  # then the CPU seconds are this process's only
-    cpu = time.process_time()
+    cpu, wall, children = time.process_time(), time.perf_counter(), children_cpu_seconds()
     model, curve = (train_trl_grpo if args.estimator == "trl_grpo" else train_trl_ppo)(args, tokenizer)
-    train_cpu = time.process_time() - cpu
+    train_cpu = time.process_time() - cpu + children_cpu_seconds() - children
+    train_wall = time.perf_counter() - wall
     after = summary(agent.evaluate(model, tokenizer, held_out, args))
     return {
         "estimator": args.estimator, "seed": args.seed, "learning_rate": args.learning_rate, "updates": args.updates,
@@ -165,7 +172,8 @@ def run(args, tokenizer) -> dict:
         "skip_zero_gradient_steps": args.skip_zero_gradient_steps, "warm_start_settings": args.warm_start_settings,
         "held_out": len(held_out),
         "before": before, "after": after, "training_success": curve, "train_cpu_seconds": round(train_cpu, 1),
-        "resumed": resumed,
+        "train_wall_seconds": round(train_wall, 1), "max_staleness": args.max_staleness,
+        "off_policy_correction": args.off_policy_correction, "resumed": resumed,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }
 

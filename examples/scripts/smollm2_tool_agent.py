@@ -67,6 +67,7 @@ def config(args):
         local_rollout_forward_batch_size=args.batch_size, num_sample_generations=0, seed=args.seed,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=1,
         report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
+        max_staleness=args.max_staleness, off_policy_correction=args.off_policy_correction,
     )
 
 
@@ -175,6 +176,10 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
     parser.add_argument("--eval_batch", type=int, default=25)
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N updates (0: none)")
     parser.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --output_dir")
+    parser.add_argument("--max_staleness", type=int, default=0,
+                        help="asynchronous PPO: sample up to this many updates ahead in a process of its own (0: off)")
+    parser.add_argument("--off_policy_correction", choices=("decoupled", "tis", "none"), default=None,
+                        help="with --max_staleness: how the update corrects for the older sampling policy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor", action="store_true",
                         help="first evaluate the model of --model without tools (one turn, its own chat template)")
