@@ -6,7 +6,13 @@ gets to a score of 0.5 (the update, read off its logged curve between the points
 the updates at the run's episodes/s), the median over the seeds. `--plot` draws the score curves (mean over seeds)
 of the cells without a judge (a judge changes the timing, not the scores).
 
+`--tool` reads the SmolLM2 tool task's rows instead (`benchmark/agents/smollm2_tool.py --max_staleness ...`): per
+`max_staleness` and correction, the median episodes per wall-second of the training (its episodes over
+`train_wall_seconds`) and its ratio to the synchronous cell's, the median training CPU seconds (the sampler process's
+included), and the held-out success before and after (mean, min and max over the seeds).
+
     python benchmark/asynchronous/report.py benchmark/asynchronous/table.jsonl --plot benchmark/asynchronous/curves.png
+    python benchmark/asynchronous/report.py --tool benchmark/asynchronous/smollm2_tool.jsonl
 """
 
 from __future__ import annotations
@@ -62,6 +68,33 @@ def table(groups: dict[tuple, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def tool_table(path: str) -> str:
+    """The tool task's table: one line per (`max_staleness`, `off_policy_correction`), synchronous first."""
+    cells = defaultdict(list)
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            if line.strip():
+                row = json.loads(line)
+                cells[(row["max_staleness"], row["off_policy_correction"] or "-")].append(row)
+
+    def eps(row: dict) -> float:
+        return row["updates"] * row["batch_size"] / row["train_wall_seconds"]
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.mean(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+    sync = statistics.median(eps(row) for row in cells.get((0, "-"), [])) if (0, "-") in cells else float("nan")
+    lines = ["| max_staleness | correction | seeds | episodes/s (median) | x sync | training CPU s (median) "
+             "| held-out before | held-out after |", "|---" * 8 + "|"]
+    for (staleness, correction), rows in sorted(cells.items()):
+        median = statistics.median(eps(row) for row in rows)
+        cpu = statistics.median(row["train_cpu_seconds"] for row in rows)
+        before, after = ([row[key]["success"] for row in rows] for key in ("before", "after"))
+        lines.append(f"| {staleness} | {correction} | {len(rows)} | {median:.3f} | {median / sync:.2f} | {cpu:.0f} "
+                     f"| {spread(before)} | {spread(after)} |")
+    return "\n".join(lines)
+
+
 def plot(groups: dict[tuple, list[dict]], path: str) -> None:
     import matplotlib
 
@@ -89,7 +122,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows")
     parser.add_argument("--plot", help="PNG of the score curves")
+    parser.add_argument("--tool", action="store_true", help="the rows are the SmolLM2 tool task's")
     args = parser.parse_args(argv)
+    if args.tool:
+        print(tool_table(args.rows))
+        return
     groups = load(args.rows)
     print(table(groups))
     if args.plot:
