@@ -66,6 +66,32 @@ def test_a_demonstration_starts_as_the_trainer_renders_the_episode():
     assert tokenizer.decode(ids[len(prompt) :]).startswith("multiply a=3 b=4<|im_end|><|im_start|>o12<|im_end|>")
 
 
+@pytest.mark.slow  # SmolLM2's tokenizer (the smollm2_path fixture)
+@needs_tool_parsing
+def test_a_chat_model_demonstration_starts_as_the_trainer_renders_the_episode(smollm2_path):
+    """SmolLM2's start (`--model`): the question as the server words it, the episode's prompt as the trainer renders
+    it with the shipped tool template and the server's schemas, and each demonstrated turn read back as its call."""
+    env = learn.chat_model_env(learn.environments()["arithmetic"])
+    tools = served_tools("arithmetic")
+    tokenizer = learn.chat_tokenizer(smollm2_path)
+    added = env.render(ArithmeticEnvironment().reset(a=3, b=4, c=5).model_dump())
+    assert added == "What is (3 * 4) + 5?"
+    messages = learn.demonstration(env, {"a": 3, "b": 4, "c": 5}, random.Random(0), learn.SFTSettings(tool_rate=1.0))
+    ids, labels = learn.agent_task.sft_example(tokenizer, messages, tools)
+    prompt = learn.prompt_ids(tokenizer, env, tools, added)
+    assert ids[: len(prompt)] == prompt and set(labels[: len(prompt)]) == {-100}
+    chat, calls, start = ToolChat(tokenizer, tools, tokenizer.eos_token_id), [], None
+    for i, label in enumerate(labels + [-100]):  # each labelled span is one turn of the model
+        if label != -100 and start is None:
+            start = i
+        elif label == -100 and start is not None:
+            parsed, failed = chat.parse_tool_calls(ids[start:i], ids[:start])
+            assert not failed
+            calls += [(c.name, c.arguments) for c in parsed]
+            start = None
+    assert calls == [("multiply", {"a": 3, "b": 4}), ("add", {"a": 12, "b": 5}), ("answer", {"value": 17})]
+
+
 def learnt(tmp_path, *options: str) -> dict:
     """benchmark/agents/openenv_learn.py run with `options` (its SFT too, no cache) -> its row."""
     out = tmp_path / "rows.jsonl"

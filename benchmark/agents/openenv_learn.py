@@ -15,6 +15,14 @@ moved the one digit of a ~45-token turn also broke the markup).
   rest answer at once with a guess (as agent_task's calculator): RL has to learn to use the tools.
 The row: success before and after (greedy; sampled; guess: the exact expected success), per update the mean return
 and the success rate, the CPU seconds of SFT, of RL (this process) and of the server process, the commit.
+
+`--model FOLDER` (arithmetic) takes a pretrained ChatML model instead, SmolLM2-135M-Instruct
+(`examples/scripts/get_smollm2.py`), in its own format: the shipped tool template and the server's tool schemas, the
+question as the server words it, the prompt of `examples/scripts/openenv_train.py`. Its start is a short SFT of the
+model on the same mix of demonstrations (`CHAT_MODEL`), and RL runs at the settings of the SmolLM2 tool task
+(`benchmark/agents/smollm2_tool.py`: 8 episodes an update, one PPO epoch, lr 3e-5, lam 1.0).
+
+    OMP_NUM_THREADS=1 python benchmark/agents/openenv_learn.py --env arithmetic --model .cache/smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import time
@@ -34,65 +41,11 @@ BENCH = os.path.dirname(HERE)  # rows.py; agent_task and guess_game are here, le
 sys.path[:0] = [HERE, BENCH, os.path.join(BENCH, "learning")]
 import agent_task  # noqa: E402
 import guess_game  # noqa: E402
+from openenv_formats import build_tokenizer, chat_tokenizer, render_arithmetic, render_guess  # noqa: E402
 from rows import append_row  # noqa: E402
-
-# ------------------------------------------------------------------------------------------- the compact format
-# Roles `s` (the tools' line), `u`, `a`, `o` (a tool's answer), as benchmark/credit/tasks.py; CALL writes one call. Its
-# arguments must show: trl_ppo's ToolChat probes the template with a call `{"x": "probe-70"}` and parses it back.
-FRAME = (
-    "{% if tools %}<|im_start|>s{% for tool in tools %} {{ tool.function.name }}{% endfor %}<|im_end|>{% endif %}"
-    "{% for message in messages %}{% if message.role == 'assistant' %}<|im_start|>a{{ message.content or '' }}"
-    "{% for call in message.tool_calls or [] %}CALL{% endfor %}<|im_end|>"
-    "{% else %}<|im_start|>{{ 'o' if message.role == 'tool' else 'u' }}{{ message.content }}<|im_end|>{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>a{% endif %}"
-)
-ARGUMENTS = "{% for key, value in (call.function.arguments or {}).items() %}"
-CALLS = {"guess": ARGUMENTS + "{{ value }}{% endfor %}",  # "3"
-         "arithmetic": "{{ call.function.name }}" + ARGUMENTS + " {{ key }}={{ value }}{% endfor %}"}  # "add a=1 b=2"
-
-
-def response_template(env: str, names: list[str]) -> dict:
-    """transformers' response-template dict. guess: the turn's last word is `guess`'s number (made an integer by the
-    tool's schema); arithmetic: a tool's name, then ` key=value` pairs (transformers' kv-lines parser)."""
-    if env == "guess":
-        calls = {"open_pattern": r"(?P<number>[^\s.<>]+)(?=<\|im_end\|>)", "content": "text",
-                 "transform": {"type": "function", "function": {"name": "guess", "arguments": {"number": "{number}"}}}}
-    else:
-        calls = {"open_pattern": "(?P<name>" + "|".join(map(re.escape, names)) + ")", "content": "kv-lines",
-                 "content_args": {"line_sep": " ", "kv_sep": "="},
-                 "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}}}
-    return {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>a",
-            "fields": {"tool_calls": {"close": "<|im_end|>", "repeats": True, **calls},
-                       "content": {"close_pattern": r"<\|im_end\|>", "content": "text"}}}
-
-
-def build_tokenizer(env: str, names: list[str]):
-    """trl_ppo.agents.tiny_chat's byte-level tokenizer in the compact format of `env` for the tools `names`;
-    arithmetic's tool names are one token each (choosing a tool is one token)."""
-    from trl_ppo.agents.tiny_chat import SPECIAL, build_byte_tokenizer
-
-    tokenizer = build_byte_tokenizer(SPECIAL, eos_token=SPECIAL[2], pad_token=SPECIAL[0])
-    if env == "arithmetic":
-        tokenizer.add_tokens(sorted(names))
-    tokenizer.chat_template = FRAME.replace("CALL", CALLS[env])
-    tokenizer.response_template = response_template(env, names)
-    return tokenizer
 
 
 # ------------------------------------------------------------------------------------------- the environments
-def render_guess(observation: dict) -> str:
-    """The server's answer, one word; its opening text ("Find my number ...") is left out: the prompt says it."""
-    feedback = observation.get("feedback", "")
-    return feedback if feedback in ("higher", "lower", "correct") else ""
-
-
-def render_arithmetic(observation: dict) -> str:
-    """The question as "3*4+5" (the numbers at the same places in every prompt)."""
-    question = (observation.get("metadata") or {}).get("question", "")
-    found = re.search(r"What is \((\d+) \* (\d+)\) \+ (\d+)\?", question)
-    return "{}*{}+{}".format(*found.groups()) if found else question
-
-
 @dataclasses.dataclass(frozen=True)
 class Env:
     """What the benchmark needs of one shipped environment."""
@@ -127,6 +80,23 @@ def environments() -> dict[str, Env]:
     }
 
 
+# A pretrained chat model on arithmetic: the prompt of examples/scripts/openenv_train.py, the question as the adapter
+# renders it by default, room for three JSON calls; its SFT a few steps on the mix (half of the demonstrations answer
+# at once with a guess, so that RL has the tools' use to learn); its RL the SmolLM2 tool task's settings.
+CHAT_MODEL = {"prompt": "Use the tools to compute it, then call `answer` with the result.", "budget": 192,
+              "sft": {"steps": 16, "batch_size": 8, "learning_rate": 1e-4, "tool_rate": 0.5},
+              "rl": {"updates": 16, "batch": 8, "lr": 3e-5, "eval_repeats": 1, "ppo_epochs": 1, "minibatches": 1,
+                     "lam": 1.0}}
+
+
+def chat_model_env(env: Env) -> Env:
+    """`env` (arithmetic) as a pretrained chat model plays it (`CHAT_MODEL`)."""
+    from trl_ppo.agents.openenv_adapter import render
+
+    return dataclasses.replace(env, render=render, prompt=CHAT_MODEL["prompt"], budget=CHAT_MODEL["budget"],
+                               sft=CHAT_MODEL["sft"], rl=CHAT_MODEL["rl"])
+
+
 def problems(held_out: bool) -> list[tuple[int, int, int]]:
     """Arithmetic's 576 problems (one-digit operands) shuffled once: 64 held out for evaluation, the rest trained on."""
     every = [(a, b, c) for a in range(2, 10) for b in range(2, 10) for c in range(1, 10)]
@@ -144,9 +114,9 @@ def training_rows(env: Env, count: int, seed: int) -> dict:
     return {"prompt": prompts, **{name: [p[i] for p in drawn] for i, name in enumerate(env.columns)}}
 
 
-def evaluation_rows(env: Env, repeats: int) -> list[dict]:
-    """Every target, or every held-out problem, `repeats` times."""
-    cases = [(t,) for t in range(1, 9)] if env.name == "guess" else problems(held_out=True)
+def evaluation_rows(env: Env, repeats: int, held_out: int | None = None) -> list[dict]:
+    """Every target, or every held-out problem (the first `held_out` of them), `repeats` times."""
+    cases = [(t,) for t in range(1, 9)] if env.name == "guess" else problems(held_out=True)[:held_out]
     return [dict(zip(env.columns, case)) for case in cases for _ in range(repeats)]
 
 
@@ -164,7 +134,8 @@ def demonstration(env: Env, row: dict, rng: random.Random, settings) -> list[dic
     steps = [("multiply", {"a": a, "b": b}, a * b), ("add", {"a": a * b, "b": c}, a * b + c)]
     steps = steps if rng.random() < settings.tool_rate else []  # else a guess from the answers' range: 1 in 86
     steps.append(("answer", {"value": a * b + c if steps else rng.randint(5, 90)}, "recorded"))
-    messages = [{"role": "user", "content": f"{env.prompt}\n\n{a}*{b}+{c}"}]
+    question = env.render({"metadata": {"question": f"What is ({a} * {b}) + {c}?"}})  # as the server words it
+    messages = [{"role": "user", "content": f"{env.prompt}\n\n{question}"}]
     for name, arguments, result in steps:
         call = {"type": "function", "function": {"name": name, "arguments": arguments}}
         messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
@@ -193,18 +164,23 @@ class SFTSettings(guess_game.SFTSettings):
         return f"openenv-sft-{env}-" + "-".join(f"{k}{v}" for k, v in dataclasses.asdict(self).items())
 
 
-def train_sft(env: Env, tokenizer, tools: list[dict], settings: SFTSettings, work_dir: str, log=print):
-    """Train (or reuse) the start -> (its folder, the CPU seconds it took when it was trained, whether reused)."""
+def train_sft(env: Env, tokenizer, tools: list[dict], settings: SFTSettings, work_dir: str, log=print,
+              base: str | None = None):
+    """Train (or reuse) the start, a tiny model from scratch or the pretrained model in the folder `base` fine-tuned
+    -> (its folder, the CPU seconds it took when it was trained, whether reused)."""
     import torch
     from learning_task import one_cycle_steps, save_sft
+    from transformers import AutoModelForCausalLM
 
-    path = os.path.join(work_dir, "sft", settings.key(env.name))
+    key = settings.key(env.name) if base is None else f"{model_name(base)}-{settings.key(env.name)}"
+    path = os.path.join(work_dir, "sft", key)
     cost = os.path.join(path, "cpu_seconds.json")
     if os.path.exists(os.path.join(path, "done.json")) and os.path.exists(cost):
         with open(cost) as file:
             return path, json.load(file)["cpu_seconds"], True
     start = time.process_time()
-    model, rng = agent_task.build_policy(tokenizer, settings), random.Random(settings.seed)
+    model = agent_task.build_policy(tokenizer, settings) if base is None else AutoModelForCausalLM.from_pretrained(base)
+    rng = random.Random(settings.seed)
     drawn = training_rows(env, 4096, seed=-1 - settings.seed)  # not RL's draws (its seeds are >= 0)
     rows = [{name: drawn[name][i] for name in env.columns} for i in range(4096)]
     every_row = torch.ones(settings.batch_size, dtype=torch.bool)
@@ -313,10 +289,11 @@ def expected_success(model, tokenizer, env: Env, tools: list[dict]) -> float:
     return round(found / 8, 4)
 
 
-def evaluation(model, tokenizer, factory, env: Env, repeats: int, seed: int, tools: list[dict]) -> dict:
+def evaluation(model, tokenizer, factory, env: Env, repeats: int, seed: int, tools: list[dict],
+               held_out: int | None = None) -> dict:
     """Greedy on every case once; sampled at 1.0 (the training temperature) `repeats` times; guess: `expected`."""
-    result = {"greedy": evaluate(model, tokenizer, factory, env, evaluation_rows(env, 1), None),
-              "sampled": evaluate(model, tokenizer, factory, env, evaluation_rows(env, repeats), 1.0, seed)}
+    result = {"greedy": evaluate(model, tokenizer, factory, env, evaluation_rows(env, 1, held_out), None),
+              "sampled": evaluate(model, tokenizer, factory, env, evaluation_rows(env, repeats, held_out), 1.0, seed)}
     if env.name == "guess":
         result["expected"] = expected_success(model, tokenizer, env, tools)
     return result
@@ -345,9 +322,11 @@ def trainer(args, env: Env, tokenizer, model, sft_path: str, factory):
 
     critic = args.method == "gae"
     config = PPOConfig(
-        output_dir=os.path.join(args.work_dir, "runs", f"{env.name}-{args.method}-{args.seed}"),
+        output_dir=os.path.join(args.work_dir, "runs", f"{env.name}-{args.method}-{args.seed}"
+                                + (f"-{model_name(args.model)}" if args.model else "")),
         per_device_train_batch_size=args.batch, gradient_accumulation_steps=1, num_mini_batches=args.minibatches,
-        num_ppo_epochs=2, learning_rate=args.lr, total_episodes=args.updates * args.batch, temperature=1.0,
+        num_ppo_epochs=args.ppo_epochs, learning_rate=args.lr, lam=args.lam, total_episodes=args.updates * args.batch,
+        temperature=1.0,
         seed=args.seed, response_length=env.budget, max_turns=MAX_TURNS, max_tool_response_length=ANSWER_TOKENS,
         stop_token="eos", missing_eos_penalty=1.0, advantage_estimator=args.method, gae_level="turn",
         local_rollout_forward_batch_size=args.batch, num_sample_generations=0, save_strategy="no",
@@ -387,7 +366,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, help="episodes per update")
     parser.add_argument("--lr", type=float)
     parser.add_argument("--eval_repeats", type=int, help="sampled evaluation episodes per target / problem")
-    parser.add_argument("--minibatches", type=int, default=4, help="optimizer steps per update and epoch (2 epochs)")
+    parser.add_argument("--held_out", type=int, help="arithmetic: evaluate on the first N of the 64 held-out problems")
+    parser.add_argument("--minibatches", type=int, help="optimizer steps per update and epoch (default 4; --model: 1)")
+    parser.add_argument("--ppo_epochs", type=int, help="default 2 (--model: 1)")
+    parser.add_argument("--lam", type=float, help="GAE's lambda (default 0.95; --model: 1.0)")
+    parser.add_argument("--model", help="arithmetic: a pretrained ChatML model's folder (SmolLM2), not the tiny one")
     parser.add_argument("--sft_steps", type=int, help="SFT's steps on the mix (default: the environment's `Env.sft`)")
     parser.add_argument("--copy_steps", type=int, help="arithmetic: SFT's steps on tool demonstrations first")
     parser.add_argument("--tool_rate", type=float, help="arithmetic: the share of SFT's mix that uses the tools")
@@ -395,14 +378,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--work_dir", default="/tmp/trl_ppo_openenv_learn", help="SFT starts (cached) and runs")
     parser.add_argument("--out", default=os.path.join(HERE, "openenv_learn.jsonl"), help="'': no row written")
     args = parser.parse_args(argv)
-    for name, value in environments()[args.env].rl.items():
+    if args.model and args.env != "arithmetic":
+        parser.error("--model: the pretrained model's format is written for --env arithmetic")
+    for name, value in {"minibatches": 4, "ppo_epochs": 2, "lam": 0.95, **env_of(args).rl}.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     return args
 
 
+def model_name(folder: str) -> str:
+    return os.path.basename(os.path.normpath(folder))
+
+
+def env_of(args) -> Env:
+    """The environment as the run's model plays it."""
+    env = environments()[args.env]
+    return chat_model_env(env) if args.model else env
+
+
 def sft_settings(args) -> SFTSettings:
     given = {"steps": args.sft_steps, "copy_steps": args.copy_steps, "tool_rate": args.tool_rate}
-    return SFTSettings(**{**environments()[args.env].sft, **{k: v for k, v in given.items() if v is not None}},
+    return SFTSettings(**{**env_of(args).sft, **{k: v for k, v in given.items() if v is not None}},
                        seed=args.sft_seed)
 
 
@@ -418,23 +413,25 @@ def run(args, log=print) -> dict:
     from trl_ppo.agents.tools import schemas, toolbox
 
     torch.set_num_threads(1)
-    env, settings = environments()[args.env], sft_settings(args)
+    env, settings = env_of(args), sft_settings(args)
     sessions = max(len(evaluation_rows(env, args.eval_repeats)), args.batch)
     with OpenEnvServer(*env.classes, max_concurrent_envs=sessions) as server:
         factory = openenv_environment(server, render=env.render)
         tools = schemas(toolbox([], factory()))  # the server's tools, as the trainer offers them
-        tokenizer = build_tokenizer(env.name, [tool["function"]["name"] for tool in tools])
-        sft_path, sft_seconds, reused = train_sft(env, tokenizer, tools, settings, args.work_dir, log)
+        names = [tool["function"]["name"] for tool in tools]
+        tokenizer = chat_tokenizer(args.model) if args.model else build_tokenizer(env.name, names)
+        sft_path, sft_seconds, reused = train_sft(env, tokenizer, tools, settings, args.work_dir, log, args.model)
         model = AutoModelForCausalLM.from_pretrained(sft_path)
-        before = evaluation(model, tokenizer, factory, env, args.eval_repeats, args.seed, tools)
+        before = evaluation(model, tokenizer, factory, env, args.eval_repeats, args.seed, tools, args.held_out)
         learnt = train_rl(args, env, tokenizer, model, sft_path, factory)
-        after = evaluation(model, tokenizer, factory, env, args.eval_repeats, args.seed, tools)
+        after = evaluation(model, tokenizer, factory, env, args.eval_repeats, args.seed, tools, args.held_out)
         server_seconds = sum(psutil.Process(server.process.pid).cpu_times()[:2])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
-    return {"env": env.name, "method": args.method, "seed": args.seed, "lr": args.lr, "updates": args.updates,
-            "episodes_per_update": args.batch, "minibatches": args.minibatches,
-            "eval_repeats": args.eval_repeats, "sft": settings.key(env.name), "sft_cpu_seconds": sft_seconds,
-            "sft_reused": reused, "before": before, "after": after, **learnt,
+    return {"env": env.name, "model": model_name(args.model) if args.model else "tiny", "method": args.method,
+            "seed": args.seed, "lr": args.lr, "updates": args.updates, "episodes_per_update": args.batch,
+            "minibatches": args.minibatches, "ppo_epochs": args.ppo_epochs, "lam": args.lam,
+            "eval_repeats": args.eval_repeats, "held_out": args.held_out, "sft": settings.key(env.name),
+            "sft_cpu_seconds": sft_seconds, "sft_reused": reused, "before": before, "after": after, **learnt,
             "server_cpu_seconds": round(server_seconds, 1), "commit": commit.stdout.strip() or None,
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": os.environ.get("OMP_NUM_THREADS")}
