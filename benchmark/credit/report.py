@@ -173,6 +173,7 @@ def plot(rows: list[dict], path: str, smooth: int = 10, field: str = "success_cu
     rows_ = -(-(len(task_names) + 1) // columns)  # a panel per task and one for the legend
     figure, axes = plt.subplots(rows_, columns, figsize=(4.2 * columns, 3.2 * rows_), sharey=True,
                                  squeeze=False)
+    legend = {}  # a method -> its line and label, from the first panel it is drawn in (some run on some tasks only)
     for axis, task in zip(axes.flat, task_names):
         for name in names:
             curves = [r[field] for r in rows if r["task"] == task and method(r) == name and field in r]
@@ -183,17 +184,19 @@ def plot(rows: list[dict], path: str, smooth: int = 10, field: str = "success_cu
             mean = [statistics.mean([floor(c[i]) for c in curves if c[i] is not None] or [0.0]) for i in range(steps)]
             moving = [statistics.mean(mean[max(0, i - smooth + 1):i + 1]) for i in range(steps)]
             per_update = next(r["episodes_per_update"] for r in rows if r["task"] == task and method(r) == name)
-            label = textwrap.fill(f"{name} ({len(curves)})", 48)
-            axis.plot([(i + 1) * per_update for i in range(steps)], moving, label=label)
+            label = textwrap.fill(f"{name} ({len(curves)} seeds)", 48)
+            line, = axis.plot([(i + 1) * per_update for i in range(steps)], moving, label=label,
+                              color=f"C{names.index(name) % 10}")  # a method's colour in every panel
+            legend.setdefault(name, (line, label))
         axis.set_title(task)
         axis.set_xlabel("episodes")
         axis.axhline(0.8 if field == "success_curve" else 0.5, color="grey", linewidth=0.5)
     for axis in axes[:, 0]:
         axis.set_ylabel(ylabel)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
     for axis in list(axes.flat)[len(task_names):]:
         axis.axis("off")
-    axes.flat[-1].legend(handles, labels, loc="center", title="method (runs)")
+    handles, labels = zip(*(legend[name] for name in names if name in legend))
+    axes.flat[-1].legend(handles, labels, loc="center", title="method (seeds per task)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
