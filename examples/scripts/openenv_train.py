@@ -42,8 +42,9 @@ def rows(args) -> dict:
     prompts = [[{"role": "user", "content": PROMPTS.get(args.env, args.prompt)}]] * args.episodes
     if args.env == "guess":
         return {"prompt": prompts, "target": [draw.randint(1, 8) for _ in prompts]}
-    if args.env == "arithmetic":
-        return {"prompt": prompts, **{k: [draw.randint(2, 9) for _ in prompts] for k in ("a", "b", "c")}}
+    if args.env == "arithmetic":  # "(a * b) + c" with one-digit numbers, as openenv_learn's problems
+        lows = {"a": 2, "b": 2, "c": 1}
+        return {"prompt": prompts, **{k: [draw.randint(low, 9) for _ in prompts] for k, low in lows.items()}}
     columns = dict(column.split("=", 1) for column in args.column)
     return {"prompt": prompts, **{name: [values.split(",")[i % len(values.split(","))] for i in range(len(prompts))]
                                   for name, values in columns.items()}}  # fmt: skip
@@ -97,7 +98,7 @@ def train(args, url: str) -> None:
     config = PPOConfig(output_dir=args.output_dir, per_device_train_batch_size=micro_batch,
                        gradient_accumulation_steps=args.batch_size // micro_batch,
                        total_episodes=args.batch_size * args.updates, local_rollout_forward_batch_size=args.batch_size,
-                       learning_rate=args.learning_rate, lr_scheduler_type="constant",
+                       learning_rate=args.learning_rate, lr_scheduler_type="constant", temperature=1.0,
                        response_length=args.response_length, max_turns=args.max_turns, max_tool_response_length=8,
                        stop_token="eos", tool_chat_template=template, num_ppo_epochs=1, num_mini_batches=1,
                        gae_level="turn", lam=1.0, logging_steps=1, num_sample_generations=0, save_strategy="no",
