@@ -32,6 +32,8 @@ import smollm2_tool_agent as agent  # noqa: E402  (the trainer, reward and evalu
 from default_job import children_cpu_seconds  # noqa: E402  (the sampler process of `max_staleness`, once joined)
 from rows import append_row, has_row  # noqa: E402
 
+from trl_ppo.critic import EV_METRIC  # noqa: E402
+
 task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
@@ -88,13 +90,22 @@ def last_checkpoint(folder: str) -> bool:
 
 
 def train_trl_ppo(args, tokenizer):
-    """trl_ppo's trainer -> (the trained LM, the training success curve)."""
+    """trl_ppo's trainer -> (the trained LM, the training success curve, the critic's explained variance curves)."""
     policy = agent.load_policy(args.warm_start)
     trainer = agent.trainer_for(args, policy, tokenizer)
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
     curve = [round(float(h["objective/scores/answer_reward"]), 4) for h in trainer.state.log_history
              if "objective/scores/answer_reward" in h]
-    return policy, curve
+    return policy, curve, explained_variance_curves(trainer.state.log_history)
+
+
+def explained_variance_curves(history: list[dict]) -> dict[str, list[float | None]]:
+    """The critic's `val/explained_variance` (all tokens, and per turn) at each update, None where it was undefined
+    (all returns equal) -> {"all": [...], "turn_1": [...], ...}."""
+    updates = [h for h in history if "objective/scores/answer_reward" in h]
+    names = sorted({k for h in updates for k in h if k.startswith(EV_METRIC)})
+    return {name.removeprefix(EV_METRIC).lstrip("/") or "all": [None if h.get(name) is None else round(h[name], 4)
+                                                                for h in updates] for name in names}
 
 
 def answer_reward(prompts, completions, answer, **columns) -> list[float]:
@@ -106,14 +117,14 @@ def answer_reward(prompts, completions, answer, **columns) -> list[float]:
 
 def train_trl_grpo(args, tokenizer):
     """TRL 1.12's GRPOTrainer -> (the trained LM, the training success curve: the reward's mean at each logged
-    step, one per update with `--ppo_epochs 1`)."""
+    step, one per update with `--ppo_epochs 1`, no critic: {})."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     finished = finished_checkpoint(args.output_dir, args.updates * args.ppo_epochs)
     if finished:  # resumed at its last step, `Trainer` would take one step more (a checkpoint-17 of 16)
-        return AutoModelForCausalLM.from_pretrained(finished[0]), curve_of(finished[1])
+        return AutoModelForCausalLM.from_pretrained(finished[0]), curve_of(finished[1]), {}
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model = AutoModelForCausalLM.from_pretrained(args.warm_start)
     rows = task.split_problems()[1]
@@ -132,7 +143,7 @@ def train_trl_grpo(args, tokenizer):
     trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[answer_reward],
                           processing_class=task.rendering_tokenizer(tokenizer), tools=list(task.TOOLS))
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
-    return model, curve_of(trainer.state.log_history)  # a resumed run's history too, restored from its checkpoint
+    return model, curve_of(trainer.state.log_history), {}  # a resumed run's history too, from its checkpoint
 
 
 def curve_of(history: list[dict]) -> list[float]:
@@ -160,7 +171,7 @@ def run(args, tokenizer) -> dict:
     before = summary(agent.warm_start_evaluation(args, tokenizer, held_out))
     resumed = last_checkpoint(args.output_dir)  # then the CPU seconds are this process's only
     cpu, wall, children = time.process_time(), time.perf_counter(), children_cpu_seconds()
-    model, curve = (train_trl_grpo if args.estimator == "trl_grpo" else train_trl_ppo)(args, tokenizer)
+    model, curve, explained = (train_trl_grpo if args.estimator == "trl_grpo" else train_trl_ppo)(args, tokenizer)
     train_cpu = time.process_time() - cpu + children_cpu_seconds() - children
     train_wall = time.perf_counter() - wall
     after = summary(agent.evaluate(model, tokenizer, held_out, args))
@@ -171,7 +182,8 @@ def run(args, tokenizer) -> dict:
         "missing_eos_penalty": args.missing_eos_penalty, "max_grad_norm": args.max_grad_norm,
         "skip_zero_gradient_steps": args.skip_zero_gradient_steps, "warm_start_settings": args.warm_start_settings,
         "held_out": len(held_out),
-        "before": before, "after": after, "training_success": curve, "train_cpu_seconds": round(train_cpu, 1),
+        "before": before, "after": after, "training_success": curve,
+        "explained_variance": explained, "train_cpu_seconds": round(train_cpu, 1),
         "train_wall_seconds": round(train_wall, 1), "max_staleness": args.max_staleness,
         "off_policy_correction": args.off_policy_correction, "resumed": resumed,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
