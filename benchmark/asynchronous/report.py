@@ -9,10 +9,13 @@ of the cells without a judge (a judge changes the timing, not the scores).
 `--tool` reads the SmolLM2 tool task's rows instead (`benchmark/agents/smollm2_tool.py --max_staleness ...`): per
 `max_staleness` and correction, the median episodes per wall-second of the training (its episodes over
 `train_wall_seconds`) and its ratio to the synchronous cell's, the median training CPU seconds (the sampler process's
-included), and the held-out success before and after (mean, min and max over the seeds).
+included), the training success of the last 4 updates (mean over them, then mean, min and max over the seeds), and
+the held-out success before and after (mean, min and max over the seeds); `--plot` draws each cell's training success
+per update (mean over its seeds).
 
     python benchmark/asynchronous/report.py benchmark/asynchronous/table.jsonl --plot benchmark/asynchronous/curves.png
-    python benchmark/asynchronous/report.py --tool benchmark/asynchronous/smollm2_tool.jsonl
+    python benchmark/asynchronous/report.py --tool benchmark/asynchronous/smollm2_tool.jsonl \
+        --plot benchmark/asynchronous/smollm2_tool.png
 """
 
 from __future__ import annotations
@@ -68,14 +71,19 @@ def table(groups: dict[tuple, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def tool_table(path: str) -> str:
-    """The tool task's table: one line per (`max_staleness`, `off_policy_correction`), synchronous first."""
+def tool_cells(path: str) -> dict[tuple[int, str], list[dict]]:
+    """The tool task's rows by (`max_staleness`, `off_policy_correction`, "-" for none named), synchronous first."""
     cells = defaultdict(list)
     with open(path, encoding="utf-8") as lines:
         for line in lines:
             if line.strip():
                 row = json.loads(line)
                 cells[(row["max_staleness"], row["off_policy_correction"] or "-")].append(row)
+    return dict(sorted(cells.items()))
+
+
+def tool_table(cells: dict[tuple[int, str], list[dict]]) -> str:
+    """The tool task's table: one line per (`max_staleness`, `off_policy_correction`)."""
 
     def eps(row: dict) -> float:
         return row["updates"] * row["batch_size"] / row["train_wall_seconds"]
@@ -85,14 +93,42 @@ def tool_table(path: str) -> str:
 
     sync = statistics.median(eps(row) for row in cells.get((0, "-"), [])) if (0, "-") in cells else float("nan")
     lines = ["| max_staleness | correction | seeds | episodes/s (median) | x sync | training CPU s (median) "
-             "| held-out before | held-out after |", "|---" * 8 + "|"]
-    for (staleness, correction), rows in sorted(cells.items()):
+             "| training success, last 4 updates | held-out before | held-out after |", "|---" * 9 + "|"]
+    for (staleness, correction), rows in cells.items():
         median = statistics.median(eps(row) for row in rows)
         cpu = statistics.median(row["train_cpu_seconds"] for row in rows)
+        late = [statistics.mean(row["training_success"][-4:]) for row in rows]
         before, after = ([row[key]["success"] for row in rows] for key in ("before", "after"))
         lines.append(f"| {staleness} | {correction} | {len(rows)} | {median:.3f} | {median / sync:.2f} | {cpu:.0f} "
-                     f"| {spread(before)} | {spread(after)} |")
+                     f"| {spread(late)} | {spread(before)} | {spread(after)} |")
     return "\n".join(lines)
+
+
+# The tool task's curves: the colour says the correction, the line the staleness.
+CORRECTION_COLOURS = {"-": "tab:blue", "tis": "tab:orange", "decoupled": "tab:green", "none": "tab:red"}
+STALENESS_STYLES = {0: "-", 1: "--", 2: ":"}
+
+
+def tool_plot(cells: dict[tuple[int, str], list[dict]], path: str) -> None:
+    """Each cell's training success per update, the mean over its seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    for (staleness, correction), rows in cells.items():
+        mean = [statistics.mean(points) for points in zip(*(row["training_success"] for row in rows))]
+        label = "synchronous" if staleness == 0 else f"max_staleness={staleness}, {correction}"
+        axis.plot(range(1, len(mean) + 1), mean, marker="o", markersize=3, label=f"{label} ({len(rows)} seeds)",
+                  color=CORRECTION_COLOURS.get(correction), linestyle=STALENESS_STYLES.get(staleness, "-."))
+    axis.set_xlabel("update (8 episodes each)")
+    axis.set_ylabel("training success (mean over seeds)")
+    axis.set_title("SmolLM2-135M tool task: synchronous and asynchronous PPO")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def plot(groups: dict[tuple, list[dict]], path: str) -> None:
@@ -121,11 +157,14 @@ def plot(groups: dict[tuple, list[dict]], path: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows")
-    parser.add_argument("--plot", help="PNG of the score curves")
+    parser.add_argument("--plot", help="PNG of the score curves (with --tool: of the training success)")
     parser.add_argument("--tool", action="store_true", help="the rows are the SmolLM2 tool task's")
     args = parser.parse_args(argv)
     if args.tool:
-        print(tool_table(args.rows))
+        cells = tool_cells(args.rows)
+        print(tool_table(cells))
+        if args.plot:
+            tool_plot(cells, args.plot)
         return
     groups = load(args.rows)
     print(table(groups))
