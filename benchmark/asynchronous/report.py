@@ -10,7 +10,8 @@ of the cells without a judge (a judge changes the timing, not the scores).
 `max_staleness` and correction, the median episodes per wall-second of the training (its episodes over
 `train_wall_seconds`) and its ratio to the synchronous cell's, the median training CPU seconds (the sampler process's
 included), the training success of the last 4 updates (mean over them, then mean, min and max over the seeds), and
-the held-out success before and after (mean, min and max over the seeds); `--plot` draws each cell's training success
+the held-out success before and after (mean, min and max over the seeds), and the critic's explained variance over
+the last 4 updates (where the rows record it); `--plot` draws each cell's training success
 per update (mean over its seeds).
 
     python benchmark/asynchronous/report.py benchmark/asynchronous/table.jsonl --plot benchmark/asynchronous/curves.png
@@ -93,15 +94,29 @@ def tool_table(cells: dict[tuple[int, str], list[dict]]) -> str:
 
     sync = statistics.median(eps(row) for row in cells.get((0, "-"), [])) if (0, "-") in cells else float("nan")
     lines = ["| max_staleness | correction | seeds | episodes/s (median) | x sync | training CPU s (median) "
-             "| training success, last 4 updates | held-out before | held-out after |", "|---" * 9 + "|"]
+             "| training success, last 4 updates | held-out before | held-out after | critic EV, last 4 updates |",
+             "|---" * 10 + "|"]
     for (staleness, correction), rows in cells.items():
         median = statistics.median(eps(row) for row in rows)
         cpu = statistics.median(row["train_cpu_seconds"] for row in rows)
         late = [statistics.mean(row["training_success"][-4:]) for row in rows]
         before, after = ([row[key]["success"] for row in rows] for key in ("before", "after"))
         lines.append(f"| {staleness} | {correction} | {len(rows)} | {median:.3f} | {median / sync:.2f} | {cpu:.0f} "
-                     f"| {spread(late)} | {spread(before)} | {spread(after)} |")
+                     f"| {spread(late)} | {spread(before)} | {spread(after)} | {late_explained_variance(rows)} |")
     return "\n".join(lines)
+
+
+def late_explained_variance(rows: list[dict]) -> str:
+    """The critic's `val/explained_variance` (all tokens) over the last 4 updates, mean over them, then mean, min and
+    max over the rows that recorded it (rows before e99615d did not: "-")."""
+    late = []
+    for row in rows:
+        curve = [v for v in row.get("explained_variance", {}).get("all", [])[-4:] if v is not None]
+        if curve:
+            late.append(statistics.mean(curve))
+    if not late:
+        return "-"
+    return f"{statistics.mean(late):.3f} [{min(late):.3f}, {max(late):.3f}] ({len(late)} seeds)"
 
 
 # The tool task's curves: the colour says the correction, the line the staleness.
