@@ -53,6 +53,8 @@ def test_the_reward_reads_the_last_number_of_the_final_turn():
     (["--updates", "-1"], "--updates and --save_steps must be at least 0"),
     (["--max_grad_norm", "-1"], "--max_grad_norm must be at least 0"),
     (["--model", "/nonexistent"], "get_smollm2.py first"),
+    (["--estimator", "grpo", "--critic_learning_rate", "1e-3"], "needs --estimator gae"),
+    (["--critic_learning_rate", "0"], "--critic_learning_rate must be > 0"),
 ])
 def test_bad_arguments_are_refused_before_any_model_is_loaded(argv, message, capsys, tiny_chatml):
     with pytest.raises(SystemExit):
@@ -192,6 +194,21 @@ def test_a_benchmark_cell_appends_one_row_and_is_skipped_when_run_again(tiny_cha
     assert any(name.startswith("evaluation_2_") for name in os.listdir(tmp_path / "warm"))  # cached
     bench.main(argv)
     assert "skipped" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
+
+
+def test_the_critics_own_rate_reaches_the_trainer_and_names_the_run(tiny_chatml):
+    args = bench.parse_args(["--model", tiny_chatml, "--critic_learning_rate", "1e-3"])
+    assert args.output_dir.endswith("-clr0.001") and agent.config(args).critic_learning_rate == 1e-3
+    assert agent.config(bench.parse_args(["--model", tiny_chatml])).critic_learning_rate is None
+
+
+def test_the_row_keeps_the_critics_explained_variance_per_update_and_turn():
+    history = [{"objective/scores/answer_reward": 0.5, "val/explained_variance": 0.1,
+                "val/explained_variance/turn_1": 0.2},
+               {"loss": 1.0, "val/explained_variance": 9.0},  # not an update's log: left out
+               {"objective/scores/answer_reward": 0.7, "val/explained_variance": -0.3}]
+    assert bench.explained_variance_curves(history) == {"all": [0.1, -0.3], "turn_1": [0.2, None]}
+    assert bench.explained_variance_curves([{"objective/scores/answer_reward": 0.5}]) == {}
 
 
 @pytest.mark.slow

@@ -68,6 +68,7 @@ def config(args):
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=1,
         report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
         max_staleness=args.max_staleness, off_policy_correction=args.off_policy_correction,
+        critic_learning_rate=args.critic_learning_rate,
     )
 
 
@@ -180,6 +181,8 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
                         help="asynchronous PPO: sample up to this many updates ahead in a process of its own (0: off)")
     parser.add_argument("--off_policy_correction", choices=("decoupled", "tis", "none"), default=None,
                         help="with --max_staleness: how the update corrects for the older sampling policy")
+    parser.add_argument("--critic_learning_rate", type=float, default=None,
+                        help="with 'gae': the value head's own rate (default: --learning_rate, as the policy's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor", action="store_true",
                         help="first evaluate the model of --model without tools (one turn, its own chat template)")
@@ -200,6 +203,9 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
         parser.error(f"--max_grad_norm must be at least 0 (0: no clipping), got {args.max_grad_norm}")
     if args.batch_size % args.micro_batch:
         parser.error(f"--micro_batch ({args.micro_batch}) must divide --batch_size ({args.batch_size})")
+    if args.critic_learning_rate is not None and (args.estimator != "gae" or not args.critic_learning_rate > 0):
+        parser.error(f"--critic_learning_rate must be > 0, and needs --estimator gae (a critic), got "
+                     f"{args.critic_learning_rate} with {args.estimator}")
     if args.estimator != "gae" and args.batch_size % args.num_generations:
         parser.error(f"--batch_size ({args.batch_size}) must be a multiple of --num_generations "
                      f"({args.num_generations})")
