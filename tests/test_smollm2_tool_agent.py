@@ -308,10 +308,11 @@ def test_the_report_keeps_rows_of_other_settings_apart(tmp_path):
              "training_success": [0.1, 0.5], "train_cpu_seconds": cpu, "resumed": cpu < 100}
             for seed, penalty, after, cpu in [(0, 1.0, 0.5, 100.0), (1, None, 1.0, 100.0), (2, None, 0.75, 60.0)]]
     rows += [dict(rows[1], seed=3, max_grad_norm=1.0), dict(rows[1], seed=4, kl_coef=0.0),
-             dict(rows[1], seed=5, skip_zero_gradient_steps=True)]
+             dict(rows[1], seed=5, skip_zero_gradient_steps=True), dict(rows[1], seed=6, critic_learning_rate=1e-3)]
     lines = report.table(rows).splitlines()[2:]
-    assert len(lines) == 5  # the penalised, clipped, KL-free and zero-gradient-skipping seeds: lines of their own
+    assert len(lines) == 6  # the penalised, clipped, KL-free, zero-gradient-skipping and critic-rate seeds: apart
     assert "| gae, zero-gradient steps skipped | 3e-05 |" in "\n".join(lines)
+    assert "| gae (critic lr 0.001) | 3e-05 |" in "\n".join(lines)
     assert "| none | none | 0.05 | 2 | 0.00 -> 1.00, 0.00 -> 0.75 | +0.88 |" in "\n".join(lines)
     assert "| none | 1.0 | 0.05 | 1 | 0.00 -> 1.00 |" in "\n".join(lines)
     assert "| none | none | 0 | 1 | 0.00 -> 1.00 |" in "\n".join(lines)
