@@ -137,9 +137,16 @@ def tool_plot(cells: dict[tuple[int, str], list[dict]], path: str) -> None:
         label = "synchronous" if staleness == 0 else f"max_staleness={staleness}, {correction}"
         axis.plot(range(1, len(mean) + 1), mean, marker="o", markersize=3, label=f"{label} ({len(rows)} seeds)",
                   color=CORRECTION_COLOURS.get(correction), linestyle=STALENESS_STYLES.get(staleness, "-."))
-    axis.set_xlabel("update (8 episodes each)")
-    axis.set_ylabel("training success (mean over seeds)")
-    axis.set_title("SmolLM2-135M tool task: synchronous and asynchronous PPO")
+    finish(figure, axis, ("update (8 episodes each)", "training success (mean over seeds)",
+                          "SmolLM2-135M tool task: synchronous and asynchronous PPO"), path)
+
+
+def finish(figure, axis, labels: tuple[str, str, str], path: str) -> None:
+    """Label the axes and title (`labels`), add the grid and legend, and save the figure to `path`."""
+    xlabel, ylabel, title = labels
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     figure.tight_layout()
@@ -160,13 +167,8 @@ def plot(groups: dict[tuple, list[dict]], path: str) -> None:
         mean = [statistics.mean(points) for points in zip(*curves)]
         steps = [LOG_EVERY * (i + 1) for i in range(len(mean))]
         axis.plot(steps, mean, marker="o", markersize=3, label=f"{cell} ({len(rows)} seeds)")
-    axis.set_xlabel("update")
-    axis.set_ylabel("objective/scores (mean over seeds)")
-    axis.set_title("The default job: synchronous and asynchronous PPO")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    finish(figure, axis, ("update", "objective/scores (mean over seeds)",
+                          "The default job: synchronous and asynchronous PPO"), path)
 
 
 def main(argv=None) -> None:
