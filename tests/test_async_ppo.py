@@ -1,9 +1,11 @@
 """Asynchronous PPO (issue 55): `max_staleness` >= 1 samples in a process of its own, a fixed number of updates
 behind, with a named off-policy correction; the refusals, the schedule, repeatability and an exact resume."""
 
+import json
+
 import pytest
 import torch
-from conftest import needs_tool_parsing
+from conftest import load_example_script, needs_tool_parsing
 from test_resume import logs_without_time, make, weights
 from transformers import TrainerCallback
 
@@ -334,3 +336,27 @@ def test_every_advantage_estimator_trains_asynchronously(estimator, make_config,
     assert [entry["offpolicy/staleness"] for entry in logs] == [0, 1, 1, 1, 1, 1]
     assert all(torch.isfinite(torch.tensor(entry["loss/policy_avg"])) for entry in logs)
     assert all("loss/value_avg" not in entry for entry in logs)
+
+
+def test_the_tool_task_report_compares_each_cell_with_the_synchronous_one(tmp_path):
+    """benchmark/asynchronous/report.py --tool on hand-made rows: 128 episodes in 1000 s and 640 s are 0.128 and
+    0.200 episodes/s, 1.56x; the held-out spread and the critic's late explained variance (a row without it is
+    left out of that column)."""
+    report = load_example_script("report", "benchmark/asynchronous")
+    summary = {"success": 0.0}
+
+    def row(staleness, correction, wall, after, explained=None):
+        return {"max_staleness": staleness, "off_policy_correction": correction, "updates": 16, "batch_size": 8,
+                "train_wall_seconds": wall, "train_cpu_seconds": 1000.0, "before": summary,
+                "after": {"success": after}, "training_success": [0.0, 0.5, 0.5, 1.0, 1.0],
+                **({"explained_variance": {"all": explained}} if explained else {})}
+
+    rows = [row(1, "tis", 640.0, 0.0, [0.9, 0.1, 0.2, None, 0.3]), row(0, None, 1000.0, 1.0),
+            row(1, "tis", 640.0, 1.0)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = report.tool_table(report.tool_cells(str(path))).splitlines()
+    assert lines[2] == ("| 0 | - | 1 | 0.128 | 1.00 | 1000 | 0.75 [0.75, 0.75] | 0.00 [0.00, 0.00] "
+                        "| 1.00 [1.00, 1.00] | - |")
+    assert lines[3] == ("| 1 | tis | 2 | 0.200 | 1.56 | 1000 | 0.75 [0.75, 0.75] | 0.00 [0.00, 0.00] "
+                        "| 0.50 [0.00, 1.00] | 0.200 [0.200, 0.200] (1 seeds) |")
