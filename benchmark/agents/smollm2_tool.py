@@ -32,8 +32,6 @@ import smollm2_tool_agent as agent  # noqa: E402  (the trainer, reward and evalu
 from default_job import children_cpu_seconds  # noqa: E402  (the sampler process of `max_staleness`, once joined)
 from rows import append_row, has_row  # noqa: E402
 
-from trl_ppo.critic import EV_METRIC  # noqa: E402
-
 task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
@@ -43,6 +41,8 @@ KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "nu
 DEFAULT_MAX_GRAD_NORM = {"trl_grpo": 1.0}
 # What TRL logs of the reward at each step (its name: the function's).
 TRL_SUCCESS = "rewards/answer_reward/mean"
+# ... and what trl_ppo logs of it once per update: its entries are the updates' logs.
+SUCCESS = "objective/scores/answer_reward"
 SUMMARY = ("success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode")
 
 
@@ -96,15 +96,16 @@ def train_trl_ppo(args, tokenizer):
     policy = agent.load_policy(args.warm_start)
     trainer = agent.trainer_for(args, policy, tokenizer)
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
-    curve = [round(float(h["objective/scores/answer_reward"]), 4) for h in trainer.state.log_history
-             if "objective/scores/answer_reward" in h]
-    return policy, curve, explained_variance_curves(trainer.state.log_history)
+    updates = [h for h in trainer.state.log_history if SUCCESS in h]
+    return policy, [round(float(h[SUCCESS]), 4) for h in updates], explained_variance_curves(updates)
 
 
 def explained_variance_curves(history: list[dict]) -> dict[str, list[float | None]]:
-    """The critic's `val/explained_variance` (all tokens, and per turn) at each update, None where it was undefined
-    (all returns equal) -> {"all": [...], "turn_1": [...], ...}."""
-    updates = [h for h in history if "objective/scores/answer_reward" in h]
+    """The critic's `val/explained_variance` (all tokens, and per turn) at each update (the logs with `SUCCESS`),
+    None where it was undefined (all returns equal) -> {"all": [...], "turn_1": [...], ...}."""
+    from trl_ppo.critic import EV_METRIC
+
+    updates = [h for h in history if SUCCESS in h]
     names = sorted({k for h in updates for k in h if k.startswith(EV_METRIC)})
     return {name.removeprefix(EV_METRIC).lstrip("/") or "all": [None if h.get(name) is None else round(h[name], 4)
                                                                 for h in updates] for name in names}

@@ -9,10 +9,10 @@ of the cells without a judge (a judge changes the timing, not the scores).
 `--tool` reads the SmolLM2 tool task's rows instead (`benchmark/agents/smollm2_tool.py --max_staleness ...`): per
 `max_staleness` and correction, the median episodes per wall-second of the training (its episodes over
 `train_wall_seconds`) and its ratio to the synchronous cell's, the median training CPU seconds (the sampler process's
-included), the training success of the last 4 updates (mean over them, then mean, min and max over the seeds), and
-the held-out success before and after (mean, min and max over the seeds), and the critic's explained variance over
-the last 4 updates (where the rows record it); `--plot` draws each cell's training success
-per update (mean over its seeds).
+included), the training success of the last 4 updates (mean over them, then mean, min and max over the seeds), the
+held-out success before and after (mean, min and max over the seeds), and the critic's explained variance over the
+last 4 updates (where the rows record it); `--plot` draws each cell's training success per update (mean over its
+seeds).
 
     python benchmark/asynchronous/report.py benchmark/asynchronous/table.jsonl --plot benchmark/asynchronous/curves.png
     python benchmark/asynchronous/report.py --tool benchmark/asynchronous/smollm2_tool.jsonl \
