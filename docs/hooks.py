@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from mkdocs.structure.files import File
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS_MARK = "<!-- options -->"
-RESULTS = (
-    "RESULTS.md", "speed/results.png", "learning/real_model.png", "learning/learning.png", "credit/curves.png",
-    "agents/smollm2_tool.png", "agents/slow_tools.png", "credit/critic_ev.png", "credit/critic_curves.png",
-    "asynchronous/curves.png",
-)
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def results_files() -> list[str]:
+    """`RESULTS.md` and every image it shows, read from its `![...](path)` links so a new plot is never left out."""
+    with open(os.path.join(ROOT, "benchmark", "RESULTS.md"), encoding="utf-8") as handle:
+        images = IMAGE.findall(handle.read())
+    return ["RESULTS.md", *dict.fromkeys(path for path in images if "://" not in path)]
 
 
 def on_files(files, config):
     """`benchmark/RESULTS.md` as the page `results.md`, its images at the same paths relative to it."""
-    for name in RESULTS:
+    for name in results_files():
         uri = "results.md" if name == "RESULTS.md" else name
         files.append(File.generated(config, uri, abs_src_path=os.path.join(ROOT, "benchmark", *name.split("/"))))
     return files
