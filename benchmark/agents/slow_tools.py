@@ -66,7 +66,7 @@ def run_cell(config: str, delay: float, updates: int, batch_size: int, seed: int
         bench.agent.config = lambda a: _with_rollout(make_config(a), rollout)
     wall, cpu = time.perf_counter(), time.process_time()
     train = bench.train_trl_grpo if estimator == "trl_grpo" else bench.train_trl_ppo
-    _, curve = train(args, tokenizer)
+    _, curve, _ = train(args, tokenizer)  # (model, success curve, critic curves)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     episodes = updates * batch_size
     return {

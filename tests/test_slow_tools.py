@@ -1,0 +1,54 @@
+"""benchmark/agents/slow_tools.py's plumbing on fakes (SmolLM2 itself runs only in the benchmark): a cell's row is
+built from what the tool task's trainers return, with every tool slowed and its schema kept."""
+
+import inspect
+import os
+
+import pytest
+from conftest import load_example_script
+
+pytest.importorskip("trl.chat_template_utils", reason="the `templates` extra (trl) is not installed")
+slow_tools = load_example_script("slow_tools", os.path.join("benchmark", "agents"))
+
+
+def test_a_slowed_tool_sleeps_first_and_keeps_its_schema(monkeypatch):
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a * b
+
+    slept = []
+    monkeypatch.setattr(slow_tools.time, "sleep", slept.append)
+    slowed = slow_tools.slowed(multiply, 0.2)
+    assert slowed(3, b=4) == 12 and slept == [0.2]
+    assert slowed.__name__ == "multiply" and slowed.__doc__ == multiply.__doc__
+    assert inspect.signature(slowed) == inspect.signature(multiply)
+
+
+@pytest.mark.parametrize("config", ["grpo", "trl_grpo"])
+def test_a_cell_row_takes_the_trainers_success_curve(config, monkeypatch, tmp_path):
+    import smollm2_tool as bench
+    import transformers
+
+    trained = []
+
+    def train(args, tokenizer):  # the benchmark's trainers return (model, success curve, critic curves)
+        trained.append(args.estimator)
+        return None, [0.25, 0.5], {}
+
+    monkeypatch.setattr(bench, "train_trl_ppo", train)
+    monkeypatch.setattr(bench, "train_trl_grpo", train)
+    monkeypatch.setattr(bench.task, "cached_warm_start", lambda *args: {"steps": 1})
+    monkeypatch.setattr(bench.task, "TOOLS", bench.task.TOOLS)  # run_cell slows them in place
+    monkeypatch.setattr(bench.agent, "config", bench.agent.config)  # ... and wraps the config for its rollout
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: None)
+    monkeypatch.setattr(slow_tools, "ROOT", str(tmp_path))
+    row = slow_tools.run_cell(config, 0.2, updates=2, batch_size=4, seed=0)
+    assert trained == [slow_tools.CONFIGS[config][0]]
+    assert row["training_success"] == [0.25, 0.5] and row["episodes"] == 8
+    assert row["warm_start_settings"] == {"steps": 1}
+    assert row["episodes_per_cpu_s"] > 0 and row["peak_rss_gb"] > 0
