@@ -7,10 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .estimators import uses_critic
+
 
 @dataclass
 class AgentConfig:
-    """`max_turns`, `max_tool_response_length`, `tool_chat_template` and `truncated_episodes`."""
+    """`max_turns`, `max_tool_response_length`, `tool_chat_template`, `truncated_episodes`, `agent_rollout` and
+    `use_sampler_logprobs`."""
 
     max_turns: int = field(
         default=1,
@@ -57,3 +60,35 @@ class AgentConfig:
             "the model's cache is not plain full attention (sliding-window or hybrid layers)."
         },
     )
+    use_sampler_logprobs: bool = field(
+        default=False,
+        metadata={
+            "help": "Take the policy's log-probs of the episodes (pi_old of the PPO ratio, and the policy's side of "
+            "the KL to the reference) from the sampler that drew them, instead of a forward over every episode "
+            "after sampling: one no-grad pass of the policy less per update. For multi-turn episodes played with "
+            "`agent_rollout='continuous'` and a critic-free `advantage_estimator` (a critic's values come from "
+            "that forward). The two agree to float rounding where sampling and training run in the same precision "
+            "(`rollout/logprob_diff_*` measures it, and is not logged with this option: nothing is left to compare); "
+            "in lower precision the ratio of the first epoch then starts at the mismatch instead of at 1."
+        },
+    )
+
+
+def check_agent_options(args, fail) -> None:
+    """`use_sampler_logprobs` against what it needs, before any compute; `fail(message)` raises."""
+    if not args.use_sampler_logprobs:
+        return
+    needs = {
+        "`agent_rollout='continuous'` (the lockstep loop does not record the sampler's log-probs)":
+            args.agent_rollout == "continuous",
+        "a critic-free `advantage_estimator` (the critic's values come from the forward it skips)":
+            not uses_critic(args.advantage_estimator),
+        "`kl_penalty` other than 'full' (the exact KL needs the policy's whole distributions)":
+            args.kl_penalty != "full",
+        "`max_staleness=0` (stale episodes need the current policy's log-probs)": args.max_staleness == 0,
+        "no `off_policy_correction` (it corrects the sampler against the forward this option skips)":
+            args.off_policy_correction is None,
+    }  # fmt: skip
+    missing = [need for need, met in needs.items() if not met]
+    if missing:
+        fail(f"`use_sampler_logprobs=True` needs {'; and '.join(missing)}.")

@@ -10,6 +10,7 @@ from transformers.utils import logging
 
 from .agents.templates import SHIPPED
 from .config import OnPolicyConfig, PPOConfig
+from .config_agents import check_agent_options
 from .config_asynchronous import check_async_options
 from .config_fields import check_fields
 from .deadlines import Deadlines
@@ -266,6 +267,7 @@ def _validate_ppo_config(args: PPOConfig) -> None:
     _validate_large_scale_options(args)
     _validate_estimator(args)
     check_async_options(args, fail)
+    check_agent_options(args, fail)
 
 
 def _validate_critic_options(args: PPOConfig) -> None:

@@ -9,8 +9,9 @@ episodes per wall-second and per CPU-second, and the process's peak RSS.
 
 Configs: 'ppo' (PPO, turn-level GAE, a value head; episodes played by the continuous engine, the default),
 'ppo-lockstep' (the same with `agent_rollout='lockstep'`, the loop before issue 54), 'grpo' (trl_ppo's GRPO, groups
-of 4, continuous), 'trl_grpo' (TRL 1.12's GRPOTrainer, the same tools, template, group size and budget). The cells
-run one after another (one core each, nothing else running is the intended setting); rows go to `--out`.
+of 4, continuous), 'grpo-sampler' (the same with `use_sampler_logprobs`: no policy forward after sampling),
+'trl_grpo' (TRL 1.12's GRPOTrainer, the same tools, template, group size and budget). The cells run one after
+another (one core each, nothing else running is the intended setting); rows go to `--out`.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 OUT = os.path.join(HERE, "slow_tools.jsonl")
-CONFIGS = {  # config -> (smollm2_tool.py's estimator, agent_rollout)
-    "ppo": ("gae", "continuous"),
-    "ppo-lockstep": ("gae", "lockstep"),
-    "grpo": ("grpo", "continuous"),
+CONFIGS = {  # config -> (smollm2_tool.py's estimator, the PPOConfig fields it sets; None: TRL's trainer)
+    "ppo": ("gae", {"agent_rollout": "continuous"}),
+    "ppo-lockstep": ("gae", {"agent_rollout": "lockstep"}),
+    "grpo": ("grpo", {"agent_rollout": "continuous"}),
+    "grpo-sampler": ("grpo", {"agent_rollout": "continuous", "use_sampler_logprobs": True}),
     "trl_grpo": ("trl_grpo", None),
 }
 
@@ -54,16 +56,16 @@ def run_cell(config: str, delay: float, updates: int, batch_size: int, seed: int
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
-    estimator, rollout = CONFIGS[config]
+    estimator, fields = CONFIGS[config]
     output_dir = os.path.join(ROOT, "runs", "slow_tools", f"{config}-delay{delay:g}-{time.time_ns()}")
     args = bench.parse_args(["--estimator", estimator, "--updates", str(updates), "--batch_size", str(batch_size),
                              "--seed", str(seed), "--work_dir", output_dir])  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     args.warm_start_settings = bench.task.cached_warm_start(args.model, tokenizer, args.warm_start)
     bench.task.TOOLS = tuple(slowed(tool, delay) for tool in bench.task.TOOLS)
-    if rollout is not None:
+    if fields is not None:
         make_config = bench.agent.config
-        bench.agent.config = lambda a: _with_rollout(make_config(a), rollout)
+        bench.agent.config = lambda a: _with_fields(make_config(a), fields)
     wall, cpu = time.perf_counter(), time.process_time()
     train = bench.train_trl_grpo if estimator == "trl_grpo" else bench.train_trl_ppo
     _, curve, _ = train(args, tokenizer)  # (model, success curve, critic curves)
@@ -78,8 +80,9 @@ def run_cell(config: str, delay: float, updates: int, batch_size: int, seed: int
     }  # fmt: skip
 
 
-def _with_rollout(config, rollout: str):
-    config.agent_rollout = rollout
+def _with_fields(config, fields: dict):
+    for name, value in fields.items():
+        setattr(config, name, value)
     return config
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-ORDER = ("ppo", "ppo-lockstep", "grpo", "trl_grpo")
+ORDER = ("ppo", "ppo-lockstep", "grpo", "grpo-sampler", "trl_grpo")
 
 
 def table(rows: list[dict]) -> str:

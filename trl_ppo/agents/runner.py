@@ -57,6 +57,11 @@ def check_agent_config(args, tools, environment_factory, has_tools: bool | None 
             f"`max_turns` is {args.max_turns} but there are no `tools` and no `environment_factory`: a turn after the "
             "first needs a tool answer. Pass `tools=` or `environment_factory=` to the trainer, or set `max_turns=1`."
         )
+    if not agentic and getattr(args, "use_sampler_logprobs", False):
+        raise ValueError(
+            "`use_sampler_logprobs=True` takes the log-probs that the agents' episode engine records while it samples, "
+            "and there are no `tools` and no `environment_factory`: one-turn sampling records none. Leave it False."
+        )
     if not has_tools and args.max_turns > 1:
         raise ValueError(
             f"`max_turns` is {args.max_turns} but neither `tools` nor the environments' methods give the model a tool "
@@ -233,8 +238,9 @@ class AgentRunner:
 
     @staticmethod
     def _agreement(rollout: Rollout, accelerator) -> dict[str, float]:
-        """`rollout/logprob_diff_*` where every process recorded its sampler's log-probs (else nothing)."""
-        recorded = rollout.sampler_logprobs is not None
+        """`rollout/logprob_diff_*` where every process recorded its sampler's log-probs (else nothing; nor where
+        they stood in for the training forward's, `use_sampler_logprobs`: the difference would be 0 by construction)."""
+        recorded = rollout.sampler_logprobs is not None and rollout.logprobs is not rollout.sampler_logprobs
         if not dist.all_processes(recorded, accelerator.device):
             return {}
         sums = agreement_sums(rollout.sampler_logprobs, rollout.logprobs, rollout.response_mask)

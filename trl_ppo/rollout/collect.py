@@ -110,12 +110,13 @@ def add_logprobs_and_values(
     reference does not change); `values=False` skips a separate value model (the asynchronous sampler's values
     would be stale: the trainer computes them)."""
     full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk of episodes at a time
+    sampled = sampler_logprobs_suffice(rollout, models, args)  # then the policy's forward is skipped
     logprobs, ref_logprobs, value_parts, full_kls = [], [], [], []
     widen = functools.partial(ppo.pad_responses, length=rollout.response_length)  # trimmed chunks back to T
     with models.accelerator.autocast():
         for part in chunks(rollout.queries.size(0), args.local_rollout_forward_batch_size):
             episodes = rollout.select(part).trim_padding()
-            output = models.wrapper(
+            output = None if sampled else models.wrapper(
                 episodes.input_ids,
                 episodes.attention_mask,
                 episodes.responses,
@@ -123,23 +124,33 @@ def add_logprobs_and_values(
                 args.logprobs_chunk_size,
                 keep_logits=full_kl,
                 values=values,
-            )
+            )  # fmt: skip
             ref_output = reference_output(episodes, models, args, keep_logits=full_kl) if reference else None
-            logprobs.append(widen(masked_response_logprobs(output.logprobs, episodes), fill=ppo.INVALID_LOGPROB))
+            if output is not None:
+                logprobs.append(widen(masked_response_logprobs(output.logprobs, episodes), fill=ppo.INVALID_LOGPROB))
             if reference:
                 ref = masked_response_logprobs(ref_output.logprobs, episodes)
                 ref_logprobs.append(widen(ref, fill=ppo.INVALID_LOGPROB))
-            if output.values is not None:  # None without a critic (a critic-free `advantage_estimator`)
+            if output is not None and output.values is not None:  # None without a critic (critic-free estimators)
                 value_parts.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             if full_kl:
                 exact = kl.full_kl_from_logits(output.logits, ref_output.logits)
                 full_kls.append(widen(exact.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             del output, ref_output  # one chunk of full logits alive at a time
-    rollout.logprobs = torch.cat(logprobs)
+    rollout.logprobs = rollout.sampler_logprobs if sampled else torch.cat(logprobs)
     rollout.ref_logprobs = torch.cat(ref_logprobs) if reference else rollout.ref_logprobs
     rollout.values = torch.cat(value_parts) if value_parts else None
     rollout.full_kl = torch.cat(full_kls) if full_kl else None
     return rollout
+
+
+def sampler_logprobs_suffice(rollout: Rollout, models: PreparedModels, args) -> bool:
+    """Whether the sampler's log-probs stand for the policy's no-grad forward (`use_sampler_logprobs`, checked
+    against a critic and the exact KL by `validate_config`): asked for, and recorded on every process (the
+    forward is a collective under DDP and sharding, so every process skips it or none does)."""
+    if not getattr(args, "use_sampler_logprobs", False):
+        return False
+    return dist.all_processes(rollout.sampler_logprobs is not None, models.accelerator.device)
 
 
 def reference_output(episodes: Rollout, models: PreparedModels, args, keep_logits: bool = False) -> ResponseOutput:
