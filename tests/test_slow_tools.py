@@ -52,3 +52,13 @@ def test_a_cell_row_takes_the_trainers_success_curve(config, monkeypatch, tmp_pa
     assert row["training_success"] == [0.25, 0.5] and row["episodes"] == 8
     assert row["warm_start_settings"] == {"steps": 1}
     assert row["episodes_per_cpu_s"] > 0 and row["peak_rss_gb"] > 0
+
+
+def test_the_report_compares_each_cell_with_trl_at_its_delay_and_keeps_a_cells_last_row():
+    report = load_example_script("slow_tools_report", os.path.join("benchmark", "agents"))
+    row = lambda config, wall, cpu: {"delay": 1.0, "config": config, "episodes_per_wall_s": wall,  # noqa: E731
+                                     "episodes_per_cpu_s": cpu, "peak_rss_gb": 5.0}  # fmt: skip
+    rows = [row("trl_grpo", 0.1, 0.2), row("grpo-sampler", 0.1, 0.1), row("grpo-sampler", 0.15, 0.25)]
+    lines = report.table(rows).splitlines()
+    assert lines[2:] == ["| 1 s | `grpo-sampler` | 0.150 | 1.50 | 0.250 | 1.25 | 5.00 |",
+                         "| 1 s | `trl_grpo` | 0.100 | 1.00 | 0.200 | 1.00 | 5.00 |"]  # fmt: skip

@@ -51,7 +51,8 @@ SECTIONS = (
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
     ("asynchronous PPO", "max_staleness off_policy_correction tis_cap"),
-    ("agents: tools and environments", "max_turns max_tool_response_length tool_chat_template truncated_episodes"),
+    ("agents: tools and environments", "max_turns max_tool_response_length tool_chat_template truncated_episodes "
+     "agent_rollout use_sampler_logprobs"),
     ("deadlines on your code: tools, environments, reward functions", "tool_timeout environment_timeout "
      "reward_timeout user_call_retries user_call_backoff"),
     ("options from large-scale RL systems", "cliprange_low cliprange_high dual_clip entropy_coef "

@@ -37,11 +37,12 @@ def plot(rows: list[dict], path: str) -> None:
 
     cells = {(row["delay"], row["config"]): row for row in rows}
     delays = sorted({delay for delay, _ in cells})
+    configs = [config for config in ORDER if any(config == name for _, name in cells)]  # bars of what ran
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    width = 0.8 / len(ORDER)
+    width = 0.8 / len(configs)
     for panel, (key, title) in zip(axes, (("episodes_per_wall_s", "episodes per wall-second"),
                                           ("episodes_per_cpu_s", "episodes per CPU-second"))):
-        for i, config in enumerate(ORDER):
+        for i, config in enumerate(configs):
             values = [cells[(d, config)][key] if (d, config) in cells else 0.0 for d in delays]
             panel.bar([j + i * width for j in range(len(delays))], values, width, label=config)
         panel.set_xticks([j + 0.4 - width / 2 for j in range(len(delays))], [f"{d:g} s per call" for d in delays])
