@@ -202,6 +202,17 @@ def test_the_critics_own_rate_reaches_the_trainer_and_names_the_run(tiny_chatml)
     assert agent.config(bench.parse_args(["--model", tiny_chatml])).critic_learning_rate is None
 
 
+def test_the_lockstep_loop_reaches_the_trainer_names_the_run_and_is_refused_for_trl(tiny_chatml, capsys):
+    args = bench.parse_args(["--model", tiny_chatml, "--agent_rollout", "lockstep"])
+    assert args.output_dir.endswith("-lockstep") and agent.config(args).agent_rollout == "lockstep"
+    default = bench.parse_args(["--model", tiny_chatml])
+    assert not default.output_dir.endswith("-lockstep") and agent.config(default).agent_rollout == "continuous"
+    assert bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo"]).agent_rollout is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", tiny_chatml, "--estimator", "trl_grpo", "--agent_rollout", "lockstep"])
+    assert "TRL's GRPOTrainer plays its episodes its own way" in capsys.readouterr().err
+
+
 def test_the_row_keeps_the_critics_explained_variance_per_update_and_turn():
     history = [{"objective/scores/answer_reward": 0.5, "val/explained_variance": 0.1,
                 "val/explained_variance/turn_1": 0.2},

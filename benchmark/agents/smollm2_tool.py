@@ -36,7 +36,8 @@ task = agent.task
 OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
               "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "max_grad_norm", "skip_zero_gradient_steps",
-              "warm_start_settings", "max_staleness", "off_policy_correction", "critic_learning_rate")
+              "warm_start_settings", "max_staleness", "off_policy_correction", "critic_learning_rate",
+              "agent_rollout")
 # Each trainer's own default: `Trainer`'s 1.0 for TRL's GRPO, none (0) for trl_ppo's (PPOv2 clips nothing).
 DEFAULT_MAX_GRAD_NORM = {"trl_grpo": 1.0}
 # What TRL logs of the reward at each step (its name: the function's).
@@ -76,6 +77,12 @@ def parse_args(argv=None):
         changed.append(f"-stale{args.max_staleness}{args.off_policy_correction}")
     if args.critic_learning_rate is not None:
         changed.append(f"-clr{args.critic_learning_rate:g}")
+    if args.estimator == "trl_grpo":
+        if args.agent_rollout != "continuous":
+            parser.error("--agent_rollout: TRL's GRPOTrainer plays its episodes its own way")
+        args.agent_rollout = None  # recorded as none of trl_ppo's
+    elif args.agent_rollout == "lockstep":
+        changed.append("-lockstep")
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
                                    f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}"
                                    f"-eos{args.missing_eos_penalty}" + "".join(changed))
@@ -189,7 +196,7 @@ def run(args, tokenizer) -> dict:
         "explained_variance": explained, "train_cpu_seconds": round(train_cpu, 1),
         "train_wall_seconds": round(train_wall, 1), "max_staleness": args.max_staleness,
         "off_policy_correction": args.off_policy_correction, "critic_learning_rate": args.critic_learning_rate,
-        "resumed": resumed,
+        "agent_rollout": args.agent_rollout, "resumed": resumed,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }
 

@@ -12,13 +12,14 @@ import statistics
 
 
 def cells(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows grouped by (estimator, with the critic's own rate where set; learning rate, updates, batch size,
-    missing-EOS penalty, max gradient norm, KL coefficient, zero-gradient steps skipped), seeds in order: rows of
-    other settings are never pooled."""
+    """Rows grouped by (estimator, with the critic's own rate and the lockstep loop where set; learning rate,
+    updates, batch size, missing-EOS penalty, max gradient norm, KL coefficient, zero-gradient steps skipped), seeds
+    in order: rows of other settings are never pooled."""
     groups: dict[tuple, list[dict]] = {}
     for row in sorted(rows, key=lambda r: r["seed"]):
         critic_lr = row.get("critic_learning_rate")
         method = row["estimator"] + (f" (critic lr {critic_lr:g})" if critic_lr is not None else "")
+        method += " (lockstep)" if row.get("agent_rollout") == "lockstep" else ""
         key = (method, row["learning_rate"], row["updates"], row["batch_size"],
                row.get("missing_eos_penalty"), row.get("max_grad_norm"), row.get("kl_coef"),
                bool(row.get("skip_zero_gradient_steps")))

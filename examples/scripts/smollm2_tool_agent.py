@@ -68,7 +68,7 @@ def config(args):
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=1,
         report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
         max_staleness=args.max_staleness, off_policy_correction=args.off_policy_correction,
-        critic_learning_rate=args.critic_learning_rate,
+        critic_learning_rate=args.critic_learning_rate, agent_rollout=args.agent_rollout,
     )
 
 
@@ -183,6 +183,9 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
                         help="with --max_staleness: how the update corrects for the older sampling policy")
     parser.add_argument("--critic_learning_rate", type=float, default=None,
                         help="with 'gae': the value head's own rate (default: --learning_rate, as the policy's)")
+    parser.add_argument("--agent_rollout", choices=("continuous", "lockstep"), default="continuous",
+                        help="how the episodes are played: the episode engine, or every turn in lockstep (the loop "
+                        "before it, kept for comparison)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--floor", action="store_true",
                         help="first evaluate the model of --model without tools (one turn, its own chat template)")
