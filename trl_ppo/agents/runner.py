@@ -77,6 +77,7 @@ class AgentRunner:
     def __init__(self, args, tokenizer, tools, environment_factory, stop_token_id: int | None, columns) -> None:
         self.tokenizer, self.tools = tokenizer, tool_list(tools or [])
         self.deadlines = Deadlines.from_config(args)  # on `reset`, `get_reward` and `close`
+        self.use_sampler_logprobs = getattr(args, "use_sampler_logprobs", False)
         self.environments = None
         if environment_factory is not None:
             self.environments = Environments(environment_factory, columns, self.deadlines)
@@ -236,11 +237,10 @@ class AgentRunner:
             "val/env_token_frac": env_tokens / max(tokens, 1),
         } | self._agreement(rollout, accelerator)
 
-    @staticmethod
-    def _agreement(rollout: Rollout, accelerator) -> dict[str, float]:
+    def _agreement(self, rollout: Rollout, accelerator) -> dict[str, float]:
         """`rollout/logprob_diff_*` where every process recorded its sampler's log-probs (else nothing; nor where
         they stood in for the training forward's, `use_sampler_logprobs`: the difference would be 0 by construction)."""
-        recorded = rollout.sampler_logprobs is not None and rollout.logprobs is not rollout.sampler_logprobs
+        recorded = rollout.sampler_logprobs is not None and not self.use_sampler_logprobs
         if not dist.all_processes(recorded, accelerator.device):
             return {}
         sums = agreement_sums(rollout.sampler_logprobs, rollout.logprobs, rollout.response_mask)
