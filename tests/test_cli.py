@@ -226,6 +226,8 @@ def test_a_mistyped_yaml_key_names_the_option_meant(tmp_path):
 
 def help_text(flag, capsys, monkeypatch) -> list[str]:
     monkeypatch.setenv("COLUMNS", "100")
+    # the user's thread count: on a loaded machine `train` would otherwise print its thread choice before the help
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with pytest.raises(SystemExit) as exit_:
         main([flag])
     assert exit_.value.code in (0, None)
