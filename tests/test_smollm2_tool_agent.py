@@ -191,6 +191,8 @@ def test_a_benchmark_cell_appends_one_row_and_is_skipped_when_run_again(tiny_cha
     assert row["estimator"] == "rloo" and row["updates"] == 1 and len(row["training_success"]) == 1
     assert row["max_grad_norm"] == 0.0
     assert set(row["before"]) >= {"success", "tool_call_rate", "calls_per_episode", "tool_errors_per_episode"}
+    assert (row["device"], row["peak_cuda_gib"]) == ("cpu", None) and row["episodes_per_wall_second"] > 0
+    assert len(row["logprob_diff_mean"]) == 1 and row["logprob_diff_mean"][0] >= 0  # the engine's, one update
     assert any(name.startswith("evaluation_2_") for name in os.listdir(tmp_path / "warm"))  # cached
     bench.main(argv)
     assert "skipped" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
@@ -220,6 +222,34 @@ def test_the_row_keeps_the_critics_explained_variance_per_update_and_turn():
                {"objective/scores/answer_reward": 0.7, "val/explained_variance": -0.3}]
     assert bench.explained_variance_curves(history) == {"all": [0.1, -0.3], "turn_1": [0.2, None]}
     assert bench.explained_variance_curves([{"objective/scores/answer_reward": 0.5}]) == {}
+
+
+def test_the_row_keeps_the_sampler_trainer_logprob_difference_per_update():
+    history = [{"objective/scores/answer_reward": 0.5, "rollout/logprob_diff_mean": 0.01,
+                "rollout/logprob_diff_max": 0.2},
+               {"loss": 1.0, "rollout/logprob_diff_mean": 9.0},  # not an update's log: left out
+               {"objective/scores/answer_reward": 0.7, "rollout/logprob_diff_mean": 0.03,
+                "rollout/logprob_diff_max": 0.5}]
+    assert bench.logprob_diff_curves(history) == {"logprob_diff_max": [0.2, 0.5], "logprob_diff_mean": [0.01, 0.03]}
+    assert bench.logprob_diff_curves(history[:1] + [{"objective/scores/answer_reward": 0.7}]) == {}  # not every one
+    assert bench.logprob_diff_curves([]) == {}
+
+
+def test_a_gpu_cell_trains_in_bf16_names_its_run_and_is_refused_without_cuda(tiny_chatml, capsys, monkeypatch):
+    import trl_ppo
+
+    monkeypatch.setattr(agent, "cuda_available", lambda: False)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", tiny_chatml, "--device", "cuda"])
+    assert "--device cuda: torch sees no CUDA device here" in capsys.readouterr().err
+    monkeypatch.setattr(agent, "cuda_available", lambda: True)
+    args = bench.parse_args(["--model", tiny_chatml, "--device", "cuda"])
+    assert args.output_dir.endswith("-cuda") and not bench.parse_args(["--model", tiny_chatml]).output_dir.endswith(
+        "-cuda")
+    monkeypatch.setattr(trl_ppo, "PPOConfig", lambda **fields: fields)  # a CPU cannot build a bf16 GPU config
+    assert {k: agent.config(args)[k] for k in ("use_cpu", "bf16")} == {"use_cpu": False, "bf16": True}
+    cpu = bench.parse_args(["--model", tiny_chatml])
+    assert {k: agent.config(cpu)[k] for k in ("use_cpu", "bf16")} == {"use_cpu": True, "bf16": False}
 
 
 @pytest.mark.slow

@@ -278,6 +278,7 @@ def model_sampler(model, tokenizer, temperature: float | None, batch_size: int =
         turns = []
         for start in range(0, len(contexts), batch_size):
             batch = collate([{"input_ids": c} for c in contexts[start : start + batch_size]])
+            batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
             output = model.generate(
                 **batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop,
                 **sampling,

@@ -14,7 +14,9 @@ sets either, and the row records it). Every method sees
 `--updates x --batch_size` episodes, one optimizer step per update (`--ppo_epochs` more reuse each batch). The warm
 start's evaluation is the same for every cell (greedy, cached in the warm start's folder); a row already in `--out`
 for the same cell is skipped, and a cell stopped part-way resumes from its last checkpoint (`--save_steps`) when run
-again (the row then says `resumed` and counts the CPU seconds of the last process only).
+again (the row then says `resumed` and counts the CPU seconds of the last process only). `--device cuda` trains in
+bf16 on a GPU (`benchmark/speed/gpu_check.sh`'s "agents" step); its row names the card and the peak CUDA memory of
+training, and goes to a file of its own (the device is not part of a cell's key).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def parse_args(argv=None):
         args.agent_rollout = None  # recorded as none of trl_ppo's
     elif args.agent_rollout == "lockstep":
         changed.append("-lockstep")
+    if args.device != "cpu":
+        changed.append(f"-{args.device}")
     args.output_dir = os.path.join(args.work_dir, f"{args.estimator}-seed{args.seed}-lr{args.learning_rate:g}-"
                                    f"{args.updates}x{args.batch_size}-epochs{args.ppo_epochs}-{args.lr_scheduler_type}"
                                    f"-eos{args.missing_eos_penalty}" + "".join(changed))
@@ -99,12 +103,14 @@ def last_checkpoint(folder: str) -> bool:
 
 
 def train_trl_ppo(args, tokenizer):
-    """trl_ppo's trainer -> (the trained LM, the training success curve, the critic's explained variance curves)."""
+    """trl_ppo's trainer -> (the trained LM, the training success curve, per-update curves for the row: the critic's
+    explained variance and, where logged, the sampler/trainer log-prob difference)."""
     policy = agent.load_policy(args.warm_start)
     trainer = agent.trainer_for(args, policy, tokenizer)
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
     updates = [h for h in trainer.state.log_history if SUCCESS in h]
-    return policy, [round(float(h[SUCCESS]), 4) for h in updates], explained_variance_curves(updates)
+    curves = {"explained_variance": explained_variance_curves(updates), **logprob_diff_curves(updates)}
+    return policy, [round(float(h[SUCCESS]), 4) for h in updates], curves
 
 
 def explained_variance_curves(history: list[dict]) -> dict[str, list[float | None]]:
@@ -118,6 +124,15 @@ def explained_variance_curves(history: list[dict]) -> dict[str, list[float | Non
                                                                 for h in updates] for name in names}
 
 
+def logprob_diff_curves(history: list[dict]) -> dict[str, list[float]]:
+    """`rollout/logprob_diff_*` (the sampler's log-probs of its tokens against the training forward's) at each
+    update -> {"logprob_diff_mean": [...], ...}, only the names logged at every update (none: {})."""
+    updates = [h for h in history if SUCCESS in h]
+    names = sorted({k for h in updates for k in h if k.startswith("rollout/logprob_diff_")})
+    return {name.removeprefix("rollout/"): [round(h[name], 6) for h in updates] for name in names
+            if updates and all(name in h for h in updates)}
+
+
 def answer_reward(prompts, completions, answer, **columns) -> list[float]:
     """TRL passes conversational completions (messages): the final assistant turn's last number."""
     from agent_task import final_answer
@@ -127,14 +142,14 @@ def answer_reward(prompts, completions, answer, **columns) -> list[float]:
 
 def train_trl_grpo(args, tokenizer):
     """TRL 1.12's GRPOTrainer -> (the trained LM, the training success curve: the reward's mean at each logged
-    step, one per update with `--ppo_epochs 1`, no critic: {})."""
+    step, one per update with `--ppo_epochs 1`, and no critic's curves)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     finished = finished_checkpoint(args.output_dir, args.updates * args.ppo_epochs)
     if finished:  # resumed at its last step, `Trainer` would take one step more (a checkpoint-17 of 16)
-        return AutoModelForCausalLM.from_pretrained(finished[0]), curve_of(finished[1]), {}
+        return AutoModelForCausalLM.from_pretrained(finished[0]), curve_of(finished[1]), NO_CRITIC
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     model = AutoModelForCausalLM.from_pretrained(args.warm_start)
     rows = task.split_problems()[1]
@@ -147,13 +162,16 @@ def train_trl_grpo(args, tokenizer):
         temperature=1.0, max_completion_length=args.response_length, max_tool_calling_iterations=args.max_turns - 1,
         beta=args.kl_coef, max_grad_norm=args.max_grad_norm, seed=args.seed,
         save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500, save_total_limit=1, report_to="none", logging_steps=1, bf16=False,
-        use_cpu=True, disable_tqdm=True,
+        save_steps=args.save_steps or 500, save_total_limit=1, report_to="none", logging_steps=1,
+        bf16=args.device == "cuda", use_cpu=args.device == "cpu", disable_tqdm=True,
     )
     trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=[answer_reward],
                           processing_class=task.rendering_tokenizer(tokenizer), tools=list(task.TOOLS))
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
-    return model, curve_of(trainer.state.log_history), {}  # a resumed run's history too, from its checkpoint
+    return model, curve_of(trainer.state.log_history), NO_CRITIC  # a resumed run's history too, from its checkpoint
+
+
+NO_CRITIC = {"explained_variance": {}}
 
 
 def curve_of(history: list[dict]) -> list[float]:
@@ -180,10 +198,13 @@ def run(args, tokenizer) -> dict:
     held_out = task.split_problems()[0][: args.held_out]
     before = summary(agent.warm_start_evaluation(args, tokenizer, held_out))
     resumed = last_checkpoint(args.output_dir)  # then the CPU seconds are this process's only
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     cpu, wall, children = time.process_time(), time.perf_counter(), children_cpu_seconds()
-    model, curve, explained = (train_trl_grpo if args.estimator == "trl_grpo" else train_trl_ppo)(args, tokenizer)
+    model, curve, curves = (train_trl_grpo if args.estimator == "trl_grpo" else train_trl_ppo)(args, tokenizer)
     train_cpu = time.process_time() - cpu + children_cpu_seconds() - children
     train_wall = time.perf_counter() - wall
+    peak = round(torch.cuda.max_memory_allocated() / 2**30, 3) if args.device == "cuda" else None
     after = summary(agent.evaluate(model, tokenizer, held_out, args))
     return {
         "estimator": args.estimator, "seed": args.seed, "learning_rate": args.learning_rate, "updates": args.updates,
@@ -192,9 +213,11 @@ def run(args, tokenizer) -> dict:
         "missing_eos_penalty": args.missing_eos_penalty, "max_grad_norm": args.max_grad_norm,
         "skip_zero_gradient_steps": args.skip_zero_gradient_steps, "warm_start_settings": args.warm_start_settings,
         "held_out": len(held_out),
-        "before": before, "after": after, "training_success": curve,
-        "explained_variance": explained, "train_cpu_seconds": round(train_cpu, 1),
-        "train_wall_seconds": round(train_wall, 1), "max_staleness": args.max_staleness,
+        "before": before, "after": after, "training_success": curve, **curves,
+        "train_cpu_seconds": round(train_cpu, 1), "train_wall_seconds": round(train_wall, 1),
+        "episodes_per_wall_second": round(args.updates * args.batch_size / train_wall, 4),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "peak_cuda_gib": peak,
+        "max_staleness": args.max_staleness,
         "off_policy_correction": args.off_policy_correction, "critic_learning_rate": args.critic_learning_rate,
         "agent_rollout": args.agent_rollout, "resumed": resumed,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -208,7 +231,7 @@ def main(argv=None) -> None:
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-    args.warm_start_settings = task.cached_warm_start(args.model, tokenizer, args.warm_start)
+    args.warm_start_settings = task.cached_warm_start(args.model, tokenizer, args.warm_start, args.device)
     if has_row(args.out, vars(args), KEY_FIELDS):
         print(f"skipped: {args.out} has a row for {args.estimator} seed {args.seed}")
         return

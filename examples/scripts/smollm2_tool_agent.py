@@ -66,7 +66,7 @@ def config(args):
         skip_zero_gradient_steps=args.skip_zero_gradient_steps,
         local_rollout_forward_batch_size=args.batch_size, num_sample_generations=0, seed=args.seed,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=1,
-        report_to="none", logging_steps=1, use_cpu=True, bf16=False, disable_tqdm=True,
+        report_to="none", logging_steps=1, use_cpu=args.device == "cpu", bf16=args.device == "cuda", disable_tqdm=True,
         max_staleness=args.max_staleness, off_policy_correction=args.off_policy_correction,
         critic_learning_rate=args.critic_learning_rate, agent_rollout=args.agent_rollout,
     )
@@ -98,6 +98,7 @@ def load_policy(folder: str):
 def evaluate(model, tokenizer, problems, args, tools: bool = True) -> dict:
     """Greedy episodes on `problems`, with training's turns and token budget -> success, tool-call rate, tool calls
     and tool errors per episode. `tools=False`: the floor, one turn with the tokenizer's own template, no tools."""
+    model = model.to(args.device)  # float32 on either device, as the CPU's figures
     if tools:
         result = task.evaluate(model, tokenizer, problems, args.max_turns, args.response_length,
                                batch_size=args.eval_batch, score=is_correct)
@@ -187,9 +188,17 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
                         help="how the episodes are played: the episode engine, or every turn in lockstep (the loop "
                         "before it, kept for comparison)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where to train and evaluate: 'cuda' trains in bf16 (the warm start is made on the CPU)")
     parser.add_argument("--floor", action="store_true",
                         help="first evaluate the model of --model without tools (one turn, its own chat template)")
     return parser
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
@@ -212,6 +221,8 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
     if args.estimator != "gae" and args.batch_size % args.num_generations:
         parser.error(f"--batch_size ({args.batch_size}) must be a multiple of --num_generations "
                      f"({args.num_generations})")
+    if args.device == "cuda" and not cuda_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         parser.error(f"--model {args.model} is not a model folder: run examples/scripts/get_smollm2.py first")
     return args
@@ -230,7 +241,7 @@ def main(argv=None) -> dict:
         floor = {"floor": evaluate(AutoModelForCausalLM.from_pretrained(args.model), tokenizer, held_out, args, False)}
         report("the model without tools (the floor)", floor["floor"], took(start))
     start = clock()
-    task.cached_warm_start(args.model, tokenizer, args.warm_start)
+    task.cached_warm_start(args.model, tokenizer, args.warm_start, args.device)
     print(f"[warm start: {took(start)}]", flush=True)
     start = clock()
     before = warm_start_evaluation(args, tokenizer, held_out)

@@ -177,9 +177,10 @@ def is_done(folder: str) -> bool:
 
 
 def warm_start(model, tokenizer, output_dir: str, steps: int, batch_size: int = 8, learning_rate: float = 2e-4,
-               seed: int = 0, chain_rate: float = 1.0, shapes=CHAIN_SHAPES) -> str:
-    """Fine-tune `model` for `steps` steps on one-operation transcripts with transformers' `Trainer`, and save it
-    with `tokenizer` (its own chat template) to `output_dir`; a folder already done is returned as it is."""
+               seed: int = 0, chain_rate: float = 1.0, shapes=CHAIN_SHAPES, device: str = "cpu") -> str:
+    """Fine-tune `model` for `steps` steps on one-operation transcripts with transformers' `Trainer` (float32 on
+    `device`), and save it with `tokenizer` (its own chat template) to `output_dir`; a folder already done is
+    returned as it is."""
     if is_done(output_dir):
         return output_dir
     from transformers import Trainer, TrainingArguments
@@ -187,7 +188,7 @@ def warm_start(model, tokenizer, output_dir: str, steps: int, batch_size: int = 
     examples = warm_start_examples(tokenizer, steps * batch_size, seed, chain_rate, shapes)
     args = TrainingArguments(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
                              learning_rate=learning_rate, lr_scheduler_type="constant", logging_steps=10,
-                             save_strategy="no", report_to="none", seed=seed, use_cpu=True,
+                             save_strategy="no", report_to="none", seed=seed, use_cpu=device == "cpu",
                              remove_unused_columns=False)
     trainer = Trainer(model=model, args=args, train_dataset=examples,
                       data_collator=lambda rows: agent_task.sft_batch(tokenizer, rows))
@@ -200,14 +201,14 @@ def warm_start(model, tokenizer, output_dir: str, steps: int, batch_size: int = 
     return output_dir
 
 
-def cached_warm_start(model_folder: str, tokenizer, output_dir: str = DEFAULT_OUTPUT) -> str:
+def cached_warm_start(model_folder: str, tokenizer, output_dir: str = DEFAULT_OUTPUT, device: str = "cpu") -> str:
     """The warm start in `output_dir`, made from `model_folder` with the defaults when it is not there yet ->
     its settings (the marker's line: they name the warm start in benchmark rows)."""
     if not is_done(output_dir):
         from transformers import AutoModelForCausalLM
 
         print(f"Warm start (cached in {output_dir} for the next run)...", flush=True)
-        warm_start(AutoModelForCausalLM.from_pretrained(model_folder), tokenizer, output_dir, steps=10)
+        warm_start(AutoModelForCausalLM.from_pretrained(model_folder), tokenizer, output_dir, steps=10, device=device)
     with open(os.path.join(output_dir, DONE_MARKER)) as marker:
         return marker.read().strip()
 
