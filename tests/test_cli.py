@@ -68,8 +68,8 @@ def test_default_job_trains_and_saves(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_whole_default_job_is_a_healthy_run_by_the_readmes_table(tmp_path):
-    """`make demo` as shipped (100 updates, under half a minute on 2 cores): each metric moves the way the README's "what healthy
-    values look like" table says, and the completions learn to end (issue 18, item 6)."""
+    """`make demo` as shipped (100 updates, under half a minute on 2 cores): each metric moves the way the README's
+    "what healthy values look like" table says, and the completions learn to end (issue 18, item 6)."""
     main(["--output_dir", str(tmp_path / "run"), "--num_sample_generations", "0"])
     logged = [e for e in json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]]
     logged = [e for e in logged if "objective/scores" in e]
@@ -226,12 +226,25 @@ def test_a_mistyped_yaml_key_names_the_option_meant(tmp_path):
 
 def help_text(flag, capsys, monkeypatch) -> list[str]:
     monkeypatch.setenv("COLUMNS", "100")
-    # the user's thread count: on a loaded machine `train` would otherwise print its thread choice before the help
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with pytest.raises(SystemExit) as exit_:
         main([flag])
     assert exit_.value.code in (0, None)
     return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--no_such_flag", "1"]])
+def test_help_and_refused_flags_print_no_thread_choice_first(argv, capsys, monkeypatch):
+    """On a loaded machine `train` says how many CPU threads it chose: only once the flags are parsed, so that
+    neither the help nor a refusal starts with that line."""
+    from trl_ppo import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_threads, "chosen_threads", lambda *args: 1)  # as on a machine whose cores are all busy
+    chose = []
+    monkeypatch.setattr(cpu_threads, "set_cpu_threads", lambda: chose.append(True))
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert not chose
 
 
 def test_help_is_short_with_the_sub_commands_and_ppo_options_first(capsys, monkeypatch):

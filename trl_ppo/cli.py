@@ -342,9 +342,9 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "train":
         from .cpu_threads import set_cpu_threads
 
-        set_cpu_threads()
         typed = argv
-        script_args, training_args, model_args, argv = parse(argv)
+        script_args, training_args, model_args, argv = parse(argv)  # --help and bad flags end here, before any line
+        set_cpu_threads()
         if model_args.model_name_or_path is None:
             run_default_job(argv, typed)
         else:
