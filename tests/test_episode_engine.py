@@ -3,6 +3,7 @@ tool calls. A tiny random model writes the turns (its stop token is likely, so t
 turns every finished turn into one call of a `wait` tool until an episode's last turn, and the tool answers with a
 few fixed ids. The tokens the engine samples must be scored the same by a plain forward over the whole episode."""
 
+import math
 import threading
 import time
 
@@ -180,3 +181,23 @@ def test_train_plays_continuously_by_default_and_logs_the_sampler_agreement(make
     for entry in logged:
         assert entry["rollout/logprob_diff_mean"] < 1e-4 and entry["rollout/logprob_diff_max"] < 1e-3
         assert entry["rollout/logprob_diff_ratio_outside"] == 0.0
+
+
+@pytest.mark.slow
+@needs_tool_parsing
+def test_the_engine_and_the_update_run_under_bf16_autocast(make_config):
+    """The run above in bfloat16 autocast on the CPU (`bf16=True, use_cpu=True`), what a GPU run in bf16 does: the
+    engine's sampling, the no-grad forwards and the update take the autocast's dtypes without an error, the weights
+    move, and the sampler's log-probs are compared with the training forward's (finite; they may differ by bf16's
+    rounding)."""
+    tokenizer = build_tool_tokenizer()
+    trainer = agent_trainer(make_config, tokenizer, lambda completions, **kw: [float(len(c) % 2) for c in completions],
+                            response_length=64, bf16=True, use_cpu=True)  # fmt: skip
+    assert trainer.accelerator.mixed_precision == "bf16"
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    logged = [entry for entry in trainer.state.log_history if "rollout/logprob_diff_mean" in entry]
+    assert len(logged) == 2
+    for entry in logged:
+        assert math.isfinite(entry["rollout/logprob_diff_max"]) and 0 <= entry["rollout/logprob_diff_mean"] < 0.5
