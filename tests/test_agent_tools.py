@@ -290,3 +290,22 @@ def _with(tokenizer, **attributes):
     for name, value in attributes.items():
         setattr(changed, name, value)
     return changed
+
+
+def test_a_tool_object_with_an_async_call_is_awaited():
+    """A tool given as an object with its `tool_schema` and an `async __call__` (a client of a tool server) is
+    awaited on the run's loop: called as a sync tool, it answered the model "<coroutine object ...>"."""
+
+    class Lookup:
+        tool_schema = {"type": "function", "function": {"name": "lookup", "description": "Look up a word.",
+                                                        "parameters": {"type": "object", "required": ["word"],
+                                                                       "properties": {"word": {"type": "string"}}}}}
+
+        async def __call__(self, word: str) -> str:
+            await asyncio.sleep(0)
+            return word.upper()
+
+    tools = toolbox([Lookup()])
+    assert tools["lookup"].is_async
+    results = execute_calls([[ToolCall("lookup", {"word": "apple"})]], [tools])
+    assert results == [[ToolResult("lookup", "APPLE")]]

@@ -51,6 +51,12 @@ def run(awaitable, timeout: float | None = None):
         raise
 
 
+def is_async_callable(function) -> bool:
+    """Whether calling `function` returns a coroutine: an `async def` function, or an object whose `__call__` is one
+    (`functools.partial` of either included)."""
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+
+
 def resolve(value):
     """`value`, or what it resolves to when it is awaitable (what an `async def` method returned)."""
     return run(value) if inspect.isawaitable(value) else value

@@ -10,10 +10,10 @@ import dataclasses
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
+from .async_loop import is_async_callable
 from .checkpoint.rng import read_rng_file
 from .deadlines import add_counts, take_counts
 from .off_policy import behaviour_weights
-from .reward_functions import is_async_callable
 from .rollout import Rollout, add_logprobs_and_values
 from .rollout.agreement import agreement_metrics, agreement_sums
 from .rollout.asynchronous import ASYNC_STATE, AsyncSampler, SamplerWork

@@ -25,12 +25,6 @@ def call_reward_function(reward_function: RewardFunction, **kwargs) -> list:
     return async_loop.resolve(reward_function(**kwargs))
 
 
-def is_async_callable(function) -> bool:
-    """Whether calling `function` returns a coroutine: an `async def` function, or an object whose `__call__` is one
-    (`functools.partial` of either included)."""
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
-
-
 class RewardValueError(ValueError):
     """A reward returned what cannot be scores: another number of values than completions, something that is not a
     number or None, NaN, infinity or a score beyond ±1e10. The values are the problem, not a line of trl_ppo, so

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from transformers.utils import get_json_schema
 
+from ..async_loop import is_async_callable
+
 
 @dataclass(frozen=True)
 class Tool:
@@ -23,7 +25,10 @@ class Tool:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.function)
+        """Awaited on the run's loop: an `async def` function or method, or an object with an `async __call__` (a
+        client of a tool server, given with its `tool_schema`); called as it is, such an object would answer the
+        model with an unawaited coroutine."""
+        return is_async_callable(self.function)
 
 
 def make_tool(function: Callable, where: str) -> Tool:
