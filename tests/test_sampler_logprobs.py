@@ -72,3 +72,31 @@ def test_the_sampler_logprobs_skip_the_policy_forward_and_train_the_same(make_co
         assert a["objective/kl"] == pytest.approx(b["objective/kl"], abs=1e-4)
     assert any(entry["objective/frac_reward_zero_std"] < 1 for entry in logs_forward)  # a group had a signal
     assert torch.allclose(weights_forward, weights_sampler, atol=1e-5)
+
+
+@needs_tool_parsing
+@pytest.mark.parametrize("engine", [True, False])
+def test_the_asynchronous_sampler_skips_the_policy_forward_where_the_engine_recorded_it(make_config, monkeypatch,
+                                                                                        engine):
+    """The sampler process's rollout (`_sample_ahead`, called here in this process) needs the behaviour policy's
+    log-probs and the reference's: where the episode engine recorded the former, the policy's no-grad forward (and
+    its value head's) is not run, as the trainer recomputes both; the lockstep loop records none, so the forward
+    gives them."""
+    tokenizer = build_tool_tokenizer()
+    forward, no_grad_calls = PolicyAndValueWrapper.forward, []
+
+    def counted(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            no_grad_calls.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyAndValueWrapper, "forward", counted)
+    trainer = agent_trainer(make_config, tokenizer, lambda completions, **kw: [0.0] * len(completions),
+                            response_length=32, max_staleness=1, off_policy_correction="tis",
+                            agent_rollout="continuous" if engine else "lockstep")  # fmt: skip
+    rollout = trainer._sample_ahead(1, next(iter(trainer.train_dataloader)))
+    assert len(no_grad_calls) == (0 if engine else 1)
+    assert rollout.values is None and rollout.ref_logprobs is not None
+    assert rollout.sampler_logprobs is not None and torch.equal(rollout.logprobs, rollout.sampler_logprobs)
+    mask = rollout.response_mask
+    assert torch.isfinite(rollout.ref_logprobs[mask]).all() and (rollout.ref_logprobs[mask] <= 0).all()

@@ -82,10 +82,11 @@ class AsyncMethods:
 
     def _sample_ahead(self, update: int, batch: dict) -> Rollout:
         """The sampler process's sampling of `update`'s episodes, with its (older) weights. The behaviour policy's
-        log-probs are the sampler's own where it records them (the episode engine), else this process's forward;
-        the values are left to the trainer, which computes them with its current critic."""
+        log-probs are the sampler's own where it records them (the episode engine: the policy's forward is then
+        skipped), else this process's forward; the values are left to the trainer, which computes them with its
+        current critic."""
         self.state.global_step = update - 1  # this process's copy: what its errors name
-        rollout = self.collect_rollout(batch, values=False)
+        rollout = self.collect_rollout(batch, behaviour_only=True)
         if rollout.sampler_logprobs is None:
             rollout.sampler_logprobs = rollout.logprobs
         rollout.values = None

@@ -150,9 +150,9 @@ class AgentRunner:
         """Close the environments of a scored batch (`environments.close_environments`)."""
         close_environments(batch.get("environments") or [], self.deadlines.environment)
 
-    def collect(self, batch: dict, models, sampling: Sampling, args, values: bool = True) -> Rollout:
+    def collect(self, batch: dict, models, sampling: Sampling, args, behaviour_only: bool = False) -> Rollout:
         """Play one episode per prompt of `batch` -> its `Rollout`, with `logprobs`, `ref_logprobs` and `values`
-        (`values=False`: a separate value model's skipped). The batch gains an `environments` column (reward
+        (`behaviour_only`: as `add_logprobs_and_values`). The batch gains an `environments` column (reward
         functions receive it)."""
         device, context = models.accelerator.device, context_length(models.wrapper.lm)
         start = functools.partial(self.start_episodes, batch, args, context)  # a failure stops every process
@@ -181,7 +181,7 @@ class AgentRunner:
         batch["environments"] = [episode.environment for episode in episodes]
         self.episodes = episodes
         rollout = episodes_rollout(episodes, sampling.pad_token_id, args.response_length, device)
-        return add_logprobs_and_values(rollout, models, args, values=values)
+        return add_logprobs_and_values(rollout, models, args, behaviour_only=behaviour_only)
 
     def _play_continuous(self, episodes: list[Episode], models, sampling: Sampling, args) -> None:
         """Play the episodes with continuous batching over their turns (`rollout.engine`)."""

@@ -39,12 +39,14 @@ class Sampling:
         return cls(backend, args.response_length, args.temperature, stop_token_id, pad_token_id, chunk, gather)
 
 
-def collect_rollout(batch: dict, models: PreparedModels, sampling: Sampling, args, values: bool = True) -> Rollout:
+def collect_rollout(
+    batch: dict, models: PreparedModels, sampling: Sampling, args, behaviour_only: bool = False
+) -> Rollout:
     """The rollout of a collated batch of prompts: one sampled response each, then `logprobs`, `ref_logprobs`
-    and `values` (no gradients; `values=False`: a separate value model's skipped)."""
+    and `values` (no gradients; `behaviour_only`: as `add_logprobs_and_values`)."""
     queries, query_mask = prompts_on_device(batch, models.accelerator.device, sampling.pad_token_id)
     rollout = sample_rollout(models, queries, query_mask, sampling)
-    return add_logprobs_and_values(rollout, models, args, values=values)
+    return add_logprobs_and_values(rollout, models, args, behaviour_only=behaviour_only)
 
 
 def sample_rollout(
@@ -102,15 +104,19 @@ def policy_sampling(models: PreparedModels, sampling: Sampling):
 # ------------------------------------------------------------------------------------ logprobs and values
 @torch.no_grad()
 def add_logprobs_and_values(
-    rollout: Rollout, models: PreparedModels, args, reference: bool = True, values: bool = True
+    rollout: Rollout, models: PreparedModels, args, reference: bool = True, behaviour_only: bool = False
 ) -> Rollout:
     """Fill `logprobs`, `ref_logprobs` and `values` `[B, T]` of a rollout (values None without a critic; and
     `full_kl` with `kl_penalty="full"`), in chunks of `args.local_rollout_forward_batch_size` episodes. Returns the
     rollout. `reference=False` keeps the rollout's `ref_logprobs` (asynchronous sampling computed them: the
-    reference does not change); `values=False` skips a separate value model (the asynchronous sampler's values
-    would be stale: the trainer computes them)."""
+    reference does not change). `behaviour_only`: the asynchronous sampler's rollout, which needs the behaviour
+    policy's log-probs and the reference's only (the trainer recomputes the policy's and the values with its
+    current weights): no values, and no policy forward where the sampler recorded its log-probs (the episode
+    engine's) and no exact KL needs the policy's logits."""
     full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk of episodes at a time
-    sampled = sampler_logprobs_suffice(rollout, models, args)  # then the policy's forward is skipped
+    recorded = behaviour_only and rollout.sampler_logprobs is not None and not full_kl  # one process: no collective
+    sampled = recorded or sampler_logprobs_suffice(rollout, models, args)  # then the policy's forward is skipped
+    values = not behaviour_only
     logprobs, ref_logprobs, value_parts, full_kls = [], [], [], []
     widen = functools.partial(ppo.pad_responses, length=rollout.response_length)  # trimmed chunks back to T
     with models.accelerator.autocast():
