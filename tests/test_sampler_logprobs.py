@@ -38,18 +38,24 @@ def test_one_turn_runs_are_told_they_have_no_sampler_logprobs(make_config, token
                       value_model=None)  # fmt: skip
 
 
-@pytest.mark.slow  # two whole runs: `make test` has them, the quick loop does not
-@needs_tool_parsing
-def test_the_sampler_logprobs_skip_the_policy_forward_and_train_the_same(make_config, monkeypatch):
-    tokenizer = build_tool_tokenizer()
-    forward, no_grad_calls = PolicyAndValueWrapper.forward, []
+@pytest.fixture
+def no_grad_calls(monkeypatch) -> list:
+    """A list that gains an item at each no-grad forward of the policy (and its value head)."""
+    forward, calls = PolicyAndValueWrapper.forward, []
 
     def counted(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            no_grad_calls.append(1)
+            calls.append(1)
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(PolicyAndValueWrapper, "forward", counted)
+    return calls
+
+
+@pytest.mark.slow  # two whole runs: `make test` has them, the quick loop does not
+@needs_tool_parsing
+def test_the_sampler_logprobs_skip_the_policy_forward_and_train_the_same(make_config, no_grad_calls):
+    tokenizer = build_tool_tokenizer()
     runs = {}
     for use in (False, True):
         no_grad_calls.clear()
@@ -76,21 +82,13 @@ def test_the_sampler_logprobs_skip_the_policy_forward_and_train_the_same(make_co
 
 @needs_tool_parsing
 @pytest.mark.parametrize("engine", [True, False])
-def test_the_asynchronous_sampler_skips_the_policy_forward_where_the_engine_recorded_it(make_config, monkeypatch,
+def test_the_asynchronous_sampler_skips_the_policy_forward_where_the_engine_recorded_it(make_config, no_grad_calls,
                                                                                         engine):
     """The sampler process's rollout (`_sample_ahead`, called here in this process) needs the behaviour policy's
     log-probs and the reference's: where the episode engine recorded the former, the policy's no-grad forward (and
     its value head's) is not run, as the trainer recomputes both; the lockstep loop records none, so the forward
     gives them."""
     tokenizer = build_tool_tokenizer()
-    forward, no_grad_calls = PolicyAndValueWrapper.forward, []
-
-    def counted(self, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            no_grad_calls.append(1)
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(PolicyAndValueWrapper, "forward", counted)
     trainer = agent_trainer(make_config, tokenizer, lambda completions, **kw: [0.0] * len(completions),
                             response_length=32, max_staleness=1, off_policy_correction="tis",
                             agent_rollout="continuous" if engine else "lockstep")  # fmt: skip
