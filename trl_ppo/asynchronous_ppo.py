@@ -89,7 +89,6 @@ class AsyncMethods:
         rollout = self.collect_rollout(batch, behaviour_only=True)
         if rollout.sampler_logprobs is None:
             rollout.sampler_logprobs = rollout.logprobs
-        rollout.values = None
         return rollout
 
     def _score_ahead(self, update: int, rollout: Rollout, batch: dict) -> tuple[dict, dict]:

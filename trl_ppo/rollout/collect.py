@@ -116,7 +116,6 @@ def add_logprobs_and_values(
     full_kl = args.kl_penalty == "full"  # needs both full distributions, one chunk of episodes at a time
     recorded = behaviour_only and rollout.sampler_logprobs is not None and not full_kl  # one process: no collective
     sampled = recorded or sampler_logprobs_suffice(rollout, models, args)  # then the policy's forward is skipped
-    values = not behaviour_only
     logprobs, ref_logprobs, value_parts, full_kls = [], [], [], []
     widen = functools.partial(ppo.pad_responses, length=rollout.response_length)  # trimmed chunks back to T
     with models.accelerator.autocast():
@@ -129,7 +128,7 @@ def add_logprobs_and_values(
                 args.temperature,
                 args.logprobs_chunk_size,
                 keep_logits=full_kl,
-                values=values,
+                values=not behaviour_only,  # a separate value model's skipped; a value head's dropped below
             )  # fmt: skip
             ref_output = reference_output(episodes, models, args, keep_logits=full_kl) if reference else None
             if output is not None:
@@ -137,7 +136,7 @@ def add_logprobs_and_values(
             if reference:
                 ref = masked_response_logprobs(ref_output.logprobs, episodes)
                 ref_logprobs.append(widen(ref, fill=ppo.INVALID_LOGPROB))
-            if output is not None and output.values is not None:  # None without a critic (critic-free estimators)
+            if output is not None and output.values is not None and not behaviour_only:  # None without a critic
                 value_parts.append(widen(output.values.masked_fill(~episodes.response_mask, 0.0), fill=0.0))
             if full_kl:
                 exact = kl.full_kl_from_logits(output.logits, ref_output.logits)
