@@ -140,6 +140,9 @@ def answer_reward(prompts, completions, answer, **columns) -> list[float]:
     return [float(agent.last_integer(final_answer(c)) == int(a)) for c, a in zip(completions, answer)]
 
 
+NO_CRITIC = {"explained_variance": {}}  # TRL's cells: the row's curves of a run without a critic
+
+
 def train_trl_grpo(args, tokenizer):
     """TRL 1.12's GRPOTrainer -> (the trained LM, the training success curve: the reward's mean at each logged
     step, one per update with `--ppo_epochs 1`, and no critic's curves)."""
@@ -169,9 +172,6 @@ def train_trl_grpo(args, tokenizer):
                           processing_class=task.rendering_tokenizer(tokenizer), tools=list(task.TOOLS))
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
     return model, curve_of(trainer.state.log_history), NO_CRITIC  # a resumed run's history too, from its checkpoint
-
-
-NO_CRITIC = {"explained_variance": {}}
 
 
 def curve_of(history: list[dict]) -> list[float]:

@@ -165,13 +165,16 @@ EOF
     cp "$RESULTS" "$OUT/" 2>/dev/null || echo "(no $RESULTS to copy)"
 }
 
+# name_commit ROWS: each JSON line of ROWS (if there) gains the commit, as the bench rows do.
+name_commit() {
+    if [ -f "$1" ]; then sed -i "s/}\$/, \"commit\": \"$GIT_COMMIT\"}/" "$1"; fi
+}
+
 sampling_step() {
     # 3. sampling alone, every backend
     step sampling 150 "$PYTHON" benchmark/speed/gpu_sampling.py --precision bf16 "${SAMPLING_ARGS[@]}" \
         --results "$OUT/sampling_h200.jsonl"
-    if [ -f "$OUT/sampling_h200.jsonl" ]; then  # name the commit, as the bench rows do
-        sed -i "s/}\$/, \"commit\": \"$GIT_COMMIT\"}/" "$OUT/sampling_h200.jsonl"
-    fi
+    name_commit "$OUT/sampling_h200.jsonl"
 }
 
 demo_steps() {
@@ -324,7 +327,7 @@ agents_steps() {
         step "agents $estimator" 140 "$PYTHON" benchmark/agents/smollm2_tool.py --estimator "$estimator" \
             --model "$model" --warm_start "$work/warm-start" --work_dir "$work" --out "$rows" "${cell[@]}"
     done
-    sed -i "s/}\$/, \"commit\": \"$GIT_COMMIT\"}/" "$rows" 2>/dev/null  # name the commit, as the bench rows do
+    name_commit "$rows"
     step agents-table 30 "$PYTHON" - "$rows" <<'EOF'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
