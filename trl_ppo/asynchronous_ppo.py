@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+import torch
 from transformers.utils import logging
 
 from . import checkpoint as ckpt
@@ -17,6 +19,7 @@ from .off_policy import behaviour_weights
 from .rollout import Rollout, add_logprobs_and_values
 from .rollout.agreement import agreement_metrics, agreement_sums
 from .rollout.asynchronous import ASYNC_STATE, AsyncSampler, SamplerWork
+from .rollout.generation import takes_generator
 
 logger = logging.get_logger(__name__)
 
@@ -47,7 +50,9 @@ class AsyncMethods:
         """With `max_staleness` >= 1, fork the sampler process and send it the first batches."""
         if not self.args.max_staleness:
             return
-        work = SamplerWork(self._sample_ahead, self._score_ahead, self._sampler_scorers())
+        generator = self._sampler_generator()
+        scorers = self._sampler_scorers() if generator is not None else 0
+        work = SamplerWork(self._sample_ahead, self._score_ahead, scorers, generator)
         self._async_sampler = AsyncSampler(
             work, self._models().wrapper.lm, self.args.max_staleness, batches,
             self.state.global_step, self.args.num_total_batches, self._restored_sampler,
@@ -80,13 +85,13 @@ class AsyncMethods:
         rollout.scores, scores_per_reward = self.score(rollout, batch)
         return rollout, scores_per_reward
 
-    def _sample_ahead(self, update: int, batch: dict) -> Rollout:
-        """The sampler process's sampling of `update`'s episodes, with its (older) weights. The behaviour policy's
-        log-probs are the sampler's own where it records them (the episode engine: the policy's forward is then
-        skipped), else this process's forward; the values are left to the trainer, which computes them with its
-        current critic."""
+    def _sample_ahead(self, update: int, batch: dict, generator=None) -> Rollout:
+        """The sampler process's sampling of `update`'s episodes, with its (older) weights, drawing from
+        `generator`. The behaviour policy's log-probs are the sampler's own where it records them (the episode
+        engine: the policy's forward is then skipped), else this process's forward; the values are left to the
+        trainer, which computes them with its current critic."""
         self.state.global_step = update - 1  # this process's copy: what its errors name
-        rollout = self.collect_rollout(batch, behaviour_only=True)
+        rollout = self.collect_rollout(batch, behaviour_only=True, generator=generator)
         if rollout.sampler_logprobs is None:
             rollout.sampler_logprobs = rollout.logprobs
         return rollout
@@ -101,6 +106,16 @@ class AsyncMethods:
         if self.agents is not None:
             episodes = [dataclasses.replace(episode, environment=None, tools={}) for episode in self.agents.episodes]
         return scores_per_reward, {"episodes": episodes, "calls": take_counts()}
+
+    def _sampler_generator(self) -> torch.Generator | None:
+        """What the sampler's sampling draws from: a generator of its own, seeded from the run's seed, the process
+        and the update the sampler starts after (a run resumed from a synchronous checkpoint draws anew, and
+        repeats); None where the sampling takes no generator (transformers' `generate`: `generation_backend`
+        'generate' or 'compiled'), which then draws from the process's own, and is not run beside scoring."""
+        if not takes_generator(self.sampling_backend):
+            return None
+        seed = np.random.SeedSequence([self.args.seed, self.accelerator.process_index, self.state.global_step])
+        return torch.Generator().manual_seed(int(seed.generate_state(1, dtype=np.uint64)[0]))
 
     def _sampler_scorers(self) -> int:
         """How the sampler scores beside sampling (`SamplerWork.scorers`): agents one batch after the other (a

@@ -25,9 +25,11 @@ class AsyncConfig:
     off_policy_correction: str | None = field(
         default=None,
         metadata={
-            "help": "'decoupled' (AReaL: PPO clipped against the policy the update starts from, each token's loss "
-            "weighted by pi_prox / pi_behav), 'tis' (that weight capped at `tis_cap`) or 'none' (the ablation). "
-            "At `max_staleness=0` it corrects the sampler/trainer mismatch where the agents' engine records it."
+            "help": "PPO's ratio is always pi_theta / pi_prox, clipped around the policy the update starts from "
+            "(its log-probs recomputed at training time); this names each token's weight: 'decoupled' (AReaL: "
+            "pi_prox / pi_behav), 'tis' (that weight capped at `tis_cap`) or 'none' (1: the staleness ignored, the "
+            "ablation). At `max_staleness=0` it corrects the sampler/trainer mismatch where the agents' engine "
+            "records it."
         },
     )
     tis_cap: float = field(
@@ -47,10 +49,10 @@ def check_async_options(args, fail) -> None:
         fail(f"`tis_cap` must be >= 1 (a cap below 1 would shrink even on-policy tokens), got {args.tis_cap}.")
     if staleness >= 1 and correction is None:
         fail(
-            f"`max_staleness={staleness}` trains on episodes sampled by a policy {staleness} update(s) old, and the "
-            "PPO ratio is then taken against the wrong policy unless a correction is chosen: set "
-            "`off_policy_correction` to 'decoupled' (AReaL) or 'tis' (truncated importance sampling), or to 'none' "
-            "to train without one (an ablation)."
+            f"`max_staleness={staleness}` trains on episodes sampled by a policy {staleness} update(s) old: PPO's "
+            "ratio is clipped around the policy the update starts from, and the episodes need a weight for the "
+            "policy that sampled them. Set `off_policy_correction` to 'decoupled' (AReaL) or 'tis' (truncated "
+            "importance sampling), or to 'none' to leave their staleness uncorrected (an ablation)."
         )
     if staleness >= 1 and correction == "none":
         warnings.warn(

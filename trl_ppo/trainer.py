@@ -217,12 +217,14 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, AsyncMeth
             self.stop_signal = preemption.requested if ckpt.stop_requested(preemption, self.accelerator) else None
         return output
 
-    def collect_rollout(self, batch: dict, behaviour_only: bool = False) -> Rollout:
+    def collect_rollout(self, batch: dict, behaviour_only: bool = False, generator=None) -> Rollout:
         """Sample one response per prompt of a collated batch, then compute `logprobs`, `ref_logprobs` and
         `values` `[B, T]` (no gradients; `behaviour_only`: the asynchronous sampler's, `add_logprobs_and_values`);
-        with tools or environments, one multi-turn episode per prompt."""
+        with tools or environments, one multi-turn episode per prompt. `generator`: what sampling draws from
+        (None: the process-wide generator)."""
         collect = collect_rollout if self.agents is None else self.agents.collect
-        rollout = collect(batch, self._models(), self._sampling(), self.args, behaviour_only=behaviour_only)
+        sampling = dataclasses.replace(self._sampling(), generator=generator)
+        rollout = collect(batch, self._models(), sampling, self.args, behaviour_only=behaviour_only)
         if rollout.truncated is None and self.stop_token_id is not None:  # one turn: cut where it did not stop
             rollout.truncated = ~ppo.contains_stop_token(rollout.responses, rollout.response_mask, self.stop_token_id)
         return rollout

@@ -190,7 +190,8 @@ class AgentRunner:
         wrapper = models.wrapper
         forward = lambda **inputs: root_call(wrapper, lambda module: module.lm(**inputs))  # noqa: E731
         with torch.no_grad(), policy_sampling(models, sampling):
-            play_episodes(episodes, forward, models.accelerator.device, cache_keyword(wrapper.lm), self.chat, limits)
+            play_episodes(episodes, forward, models.accelerator.device, cache_keyword(wrapper.lm), self.chat, limits,
+                          sampling.generator)  # fmt: skip
 
     # ----------------------------------------------------------------------------------- rewards, metrics
     def environment_reward(self) -> Reward | None:

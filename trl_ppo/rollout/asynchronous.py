@@ -1,8 +1,10 @@
 """Asynchronous sampling (`max_staleness` = k >= 1): a sampler process samples and scores the next k batches while
 the trainer trains on the current one.
 
-The schedule is fixed, so that runs repeat: batch j is sampled by the policy after update `sampling_version(j, k)`
-= max(0, j - 1 - k), exactly k updates older than the one batch j trains (fewer in the first k updates). The
+The schedule is fixed, so that runs repeat: batch j is sampled by the policy after update `sampling_version(j, k, s)`
+= max(s, j - 1 - k), exactly k updates older than the one batch j trains (fewer in the first k updates after the
+sampler starts at version s: 0 for a new run, the checkpoint's update for a resumed one, whose older weights are
+gone; the batches a checkpoint holds keep the versions that sampled them, whatever `max_staleness` it was). The
 trainer sends batch j to the sampler when it publishes that version, and publishes version v only once the sampler
 has taken every batch that needs version v - 1 (`AsyncSampler.publish`): the sampler then always finds the version
 its batch names. The weights travel through shared memory (`SharedWeights`): the trainer copies its policy's tensors
@@ -12,9 +14,12 @@ The sampler process is forked from the trainer's when the run's updates begin, s
 trainer had (the models, the reward functions, the tokenizer, its RNG) without pickling any of it; its work is two
 callables of the trainer's, sampling and scoring (`SamplerWork`). A batch is scored while the next one samples
 (a slow reward, a judge, costs the sampler no sampling time), and `async` reward functions score several batches
-at once. What it sends back is the rollout with the behaviour policy's log-probs, the reference's and the scores;
-the trainer recomputes the proximal policy's log-probs and the values with its current weights. CPU only: the
-sampler's torch runs on one thread, and uses no CUDA (a forked process cannot).
+at once. Sampling draws from a generator of its own (`SamplerWork.generator`), never the process-wide ones that user
+code draws from while it scores on the other thread; both are saved with each batch (`SamplerRng`), so that a
+resumed run draws as the uninterrupted one would. What it sends back is the rollout with the behaviour policy's
+log-probs, the reference's and the scores; the trainer recomputes the proximal policy's log-probs and the values
+with its current weights. CPU only: the sampler's torch runs on one thread, and uses no CUDA (a forked process
+cannot).
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ ASYNC_STATE = "async_sampler"
 POLL_SECONDS = 1.0  # how often a waiting trainer checks that the sampler process is alive
 
 
-def sampling_version(batch: int, max_staleness: int) -> int:
-    """The policy version (updates applied) that samples batch `batch` (1-based) under `max_staleness`."""
-    return max(0, batch - 1 - max_staleness)
+def sampling_version(batch: int, max_staleness: int, first_version: int = 0) -> int:
+    """The policy version (updates applied) that samples batch `batch` (1-based) under `max_staleness`, for a
+    sampler started with the weights of version `first_version`."""
+    return max(first_version, batch - 1 - max_staleness)
 
 
 class SharedWeights:
@@ -83,7 +89,7 @@ class SharedWeights:
 class Sampled:
     """One batch as the sampler sent it: its index (1-based), the policy version that sampled it, the rollout, the
     scores per reward and what else `collect` returned (`extra`: the agents' records of the episodes, the calls
-    into user code that timed out), and the sampler's RNG state after it (what a resume restores)."""
+    into user code that timed out), and the sampler's RNG state after it (`SamplerRng`: what a resume restores)."""
 
     batch: int
     version: int
@@ -107,10 +113,15 @@ def _unpack(data: bytes):
 
 @dataclass(frozen=True)
 class SamplerWork:
-    """The sampler process's work on a batch, given by the trainer: `sample(index, batch) -> rollout` (with the
-    behaviour policy's and the reference's log-probs), then `score(index, rollout, batch) -> (scores_per_reward,
-    extra)`, `extra` what else the trainer needs (the agents' records of the episodes, the calls into user code
-    that timed out).
+    """The sampler process's work on a batch, given by the trainer: `sample(index, batch, generator) -> rollout`
+    (with the behaviour policy's and the reference's log-probs), then `score(index, rollout, batch) ->
+    (scores_per_reward, extra)`, `extra` what else the trainer needs (the agents' records of the episodes, the calls
+    into user code that timed out).
+
+    `generator`: what sampling draws from, seeded from the run's seed, so that user code drawing from the
+    process-wide generators while a batch is scored beside the sampling cannot change what is sampled. None where
+    the sampling cannot take one (transformers' `generate`): it then draws from the process-wide generators, and
+    must not run beside scoring (`scorers` 0).
 
     `scorers`: how a batch's scoring runs beside the next batch's sampling. 0: not at all, both on the process's
     main thread one after the other (agents: a batch's environments live from its sampling to its scoring). 1: the
@@ -122,6 +133,30 @@ class SamplerWork:
     sample: Callable
     score: Callable
     scorers: int = 1
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.generator is None and self.scorers:
+            raise ValueError("Sampling that draws from the process-wide generators cannot run beside scoring.")
+
+
+class SamplerRng:
+    """The sampler's random state after a batch, as `Sampled.rng` holds it: its sampling generator's (after the
+    batch sampled) and the process-wide generators' (after it was scored: what user code drew from), restored
+    before the first batch a resumed sampler samples."""
+
+    @staticmethod
+    def capture(sampling: torch.Tensor | None) -> dict:
+        # the CPU's generators only: asking for CUDA's would initialise CUDA in a forked process
+        return {"sampling": sampling, "process": capture_rng_state(cuda=False)}
+
+    @staticmethod
+    def restore(state: dict, generator: torch.Generator | None) -> None:
+        if "process" not in state:  # a checkpoint written before the sampler had a generator of its own
+            return restore_rng_state(state)
+        restore_rng_state(state["process"])
+        if generator is not None and state["sampling"] is not None:
+            generator.set_state(state["sampling"])
 
 
 def _sampler_loop(work: SamplerWork, policy: nn.Module, weights: SharedWeights, inbox, outbox, taken) -> None:
@@ -137,7 +172,7 @@ def _sampler_loop(work: SamplerWork, policy: nn.Module, weights: SharedWeights, 
     # sampler's torch runs on one thread, as DataLoader workers do.
     torch.set_num_threads(1)
     delivery = _Delivery(outbox, work.score, work.scorers)
-    sampled = _sampled_batches(work.sample, policy, weights, inbox, taken, delivery)
+    sampled = _sampled_batches(work, policy, weights, inbox, taken, delivery)
     if work.scorers == 0:
         for item in sampled:
             delivery.submit(item)
@@ -158,9 +193,10 @@ def _hand_over(items: Iterator, ready: queue.Queue) -> None:
         ready.put(None)
 
 
-def _sampled_batches(sample: Callable, policy: nn.Module, weights: SharedWeights, inbox, taken, delivery):
-    """Yield (index, version, batch, rollout, RNG state after sampling), or ("error", index, traceback), for each
-    item of `inbox` until None; once a batch failed, nothing more."""
+def _sampled_batches(work: SamplerWork, policy: nn.Module, weights: SharedWeights, inbox, taken, delivery):
+    """Yield (index, version, batch, rollout, the sampling generator's state after it), or ("error", index,
+    traceback), for each item of `inbox` until None; once a batch failed, nothing more."""
+    generator = work.generator
     trainer = os.getppid()
     loaded = None
     while (item := _next_item(inbox, trainer)) is not None:
@@ -169,15 +205,14 @@ def _sampled_batches(sample: Callable, policy: nn.Module, weights: SharedWeights
         index, batch, version, rng = _unpack(item)
         try:
             if rng is not None:
-                restore_rng_state(rng)
+                SamplerRng.restore(rng, generator)
             if loaded != version:
                 loaded = weights.load_into(policy)
                 if loaded != version:
                     raise RuntimeError(f"batch {index} is to be sampled by version {version}, shared: {loaded}")
             taken.value = index
-            rollout = sample(index, batch)
-            # the CPU's generators only: asking for CUDA's would initialise CUDA in a forked process
-            yield index, version, batch, rollout, capture_rng_state(cuda=False)
+            rollout = work.sample(index, batch, generator)
+            yield index, version, batch, rollout, None if generator is None else generator.get_state()
         except BaseException:  # noqa: BLE001  (everything goes back to the trainer, which raises it)
             yield "error", index, traceback.format_exc()
     delivery.closed = True  # the trainer stopped the sampler: what is still being scored is not wanted
@@ -203,9 +238,10 @@ class _Delivery:
     def _deliver(self, sampled: tuple, before: threading.Event | None, done: threading.Event) -> None:
         item = sampled
         if sampled[0] != "error":
-            index, version, batch, rollout, rng = sampled
+            index, version, batch, rollout, sampling_rng = sampled
             try:
-                item = Sampled(index, version, rollout, *self.score(index, rollout, batch), rng)
+                scores_and_extra = self.score(index, rollout, batch)
+                item = Sampled(index, version, rollout, *scores_and_extra, SamplerRng.capture(sampling_rng))
             except BaseException:  # noqa: BLE001
                 item = ("error", index, traceback.format_exc())
         if before is not None:
@@ -236,8 +272,9 @@ class AsyncSampler:
 
     `work`: the sampler's work on a batch (`SamplerWork`); `policy`: the module whose weights the sampler
     samples with (the sampler's copy is the forked one); `batches`: the data iterator (the trainer's
-    `data.batches_forever`); `last_batch`: the run's last update. `restored`: a `state_dict` of a checkpoint (the
-    batches it had sampled ahead), written with the same `max_staleness`."""
+    `data.batches_forever`); `done_updates`: the updates applied to `policy` (the version the sampler starts
+    with); `last_batch`: the run's last update. `restored`: a `state_dict` of a checkpoint (the batches it had
+    sampled ahead, trained on as they are, whatever `max_staleness` wrote it)."""
 
     def __init__(
         self,
@@ -249,12 +286,8 @@ class AsyncSampler:
         last_batch: int,
         restored: dict | None = None,
     ) -> None:
-        if restored is not None and restored["max_staleness"] != max_staleness:
-            raise ValueError(
-                f"The checkpoint was written by a run with `max_staleness={restored['max_staleness']}`, whose "
-                f"batches sampled ahead follow that schedule: resume with it (not {max_staleness}), or start anew."
-            )
         self.max_staleness, self.batches, self.last_batch = max_staleness, batches, last_batch
+        self.first_version = done_updates  # the oldest weights this sampler will ever hold
         self.weights = SharedWeights(policy, done_updates)
         context = multiprocessing.get_context("fork")
         self.inbox, self.outbox, self.taken = context.Queue(), context.Queue(), context.Value("q", 0)
@@ -274,8 +307,12 @@ class AsyncSampler:
             self._send(batch)
 
     def _send(self, batch: int) -> None:
+        """Send `batch` to be sampled, unless it was (a checkpoint of a larger `max_staleness` holds it)."""
+        if batch <= self.sent:
+            return
         rng, self.rng = self.rng, None  # a restored RNG goes with the first batch sampled after the resume
-        self.inbox.put(_pack((batch, next(self.batches), sampling_version(batch, self.max_staleness), rng)))
+        version = sampling_version(batch, self.max_staleness, self.first_version)
+        self.inbox.put(_pack((batch, next(self.batches), version, rng)))
         self.sent = batch
 
     def next(self, batch: int) -> Sampled:

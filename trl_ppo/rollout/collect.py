@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,7 @@ from ..data import prompts_on_device
 from ..fsdp import root_call
 from ..logprobs import ResponseOutput, response_logprobs
 from ..models import PreparedModels, peft_reference
-from .generation import generation_backend
+from .generation import generation_backend, takes_generator
 from .record import Rollout, chunks, masked_response_logprobs
 
 
@@ -32,6 +32,8 @@ class Sampling:
     pad_token_id: int
     chunk_size: int  # `local_rollout_forward_batch_size`: prompts per sampling call
     gather_weights: bool = True  # `ds3_gather_for_generation`
+    # what sampling draws from; None: the process-wide generator (the asynchronous sampler has one of its own)
+    generator: torch.Generator | None = field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, args, backend: str, stop_token_id: int | None, pad_token_id: int) -> "Sampling":
@@ -70,6 +72,10 @@ def sample_responses(
     )
     accelerator, wrapper = models.accelerator, models.wrapper
     settings["synced_processes"] = dist.sampling_needs_sync(accelerator, sampling.gather_weights)
+    if sampling.generator is not None:
+        if not takes_generator(sampling.backend, generation_kwargs):  # the caller checks first: a bug otherwise
+            raise ValueError(f"The {sampling.backend!r} sampling draws from the process-wide generator only.")
+        settings["generator"] = sampling.generator
     with policy_sampling(models, sampling):
         parts = list(chunks(queries.size(0), sampling.chunk_size))
         own = len(parts)

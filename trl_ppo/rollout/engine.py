@@ -10,9 +10,10 @@ prefilled, against its own KV cache kept from before the call.
 What the update sees is what the lockstep loop gives (the same `Episode` records, masks, turn rewards, tokens
 exactly as sampled, `turn_loop.episodes_rollout`), plus `sampler_logprobs`: each model token's log-prob under the
 sampler, to compare with the training forward's (`agreement.py`). Each episode draws its tokens from a generator of
-its own, seeded from the run's RNG, so the tokens an episode samples do not depend on which others share its
-decoding steps; what can still vary between runs of the same seed is the floating-point result of a batched forward
-over a different set of rows (when tools finish in another order), which can flip a draw that was at a tie.
+its own, seeded from the run's RNG (or the generator it is given), so the tokens an episode samples do not depend
+on which others share its decoding steps; what can still vary between runs of the same seed is the floating-point
+result of a batched forward over a different set of rows (when tools finish in another order), which can flip a
+draw that was at a tie.
 
 The KV caches are transformers' `DynamicCache` of full-attention layers; a model whose cache is anything else
 (sliding-window or hybrid layers) raises `CacheNotPlain` at its first prefill, before any token is drawn, and the
@@ -73,12 +74,12 @@ class _Row:
 
 def play_episodes(
     episodes: list[Episode], forward: Callable, device: torch.device, cache_keyword: str, chat: ToolChat,
-    limits: TurnLimits,
+    limits: TurnLimits, generator: torch.Generator | None = None,
 ) -> list[Episode]:
     """Play `episodes` to their end, as `turn_loop.run_turns` would, with continuous batching (see the module).
     `forward(**inputs)` runs the policy LM on `device` (no gradients) and returns its output: `logits` and the
-    cache under `cache_keyword`."""
-    seeds = torch.randint(2**62, (len(episodes),)).tolist()  # from the run's RNG: runs repeat with the seed
+    cache under `cache_keyword`. The episodes' generators are seeded from `generator` (None: the process-wide one)."""
+    seeds = torch.randint(2**62, (len(episodes),), generator=generator).tolist()  # runs repeat with the seed
     joining = [_Row(e, torch.Generator(device).manual_seed(s), pending=list(e.query)) for e, s in zip(episodes, seeds)]
     batch, waiting = _DecodingBatch(forward, device, cache_keyword, limits.temperature), []
     while joining or batch.rows or waiting:

@@ -39,11 +39,13 @@ def sample_responses(
     stop_token_id: int | None,
     pad_token_id: int,
     synced_processes: bool = False,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Sample `response_length` tokens after each left-padded prompt with a KV cache. -> `[B, response_length]`.
 
     Tokens are drawn from softmax(logits / temperature) over the whole vocabulary (no top-k/top-p), the same
-    distribution the training forward computes. After a row's stop token the row is filled with
+    distribution the training forward computes, with `generator` (None: the process-wide one). After a row's stop
+    token the row is filled with
     `pad_token_id`; sampling stops early once every row has stopped, on every process when `synced_processes`
     (ZeRO-3 with partitioned weights: each forward is a collective, so all processes step together).
     """
@@ -76,6 +78,7 @@ def sample_responses(
         stop_token_id,
         pad_token_id,
         synced_processes,
+        generator,
     )
 
 
@@ -90,6 +93,7 @@ def sample_responses_compiled(
     pad_token_id: int,
     synced_processes: bool = False,
     compile: bool = True,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """`sample_responses` over a preallocated static KV cache, each decoding step one call of the model compiled by
     transformers' `get_compiled_call` (CUDA graphs on a GPU), without `generate`'s per-token Python.
@@ -99,9 +103,8 @@ def sample_responses_compiled(
     batch_size, prompt_length = queries.shape
     cache = _reusable_static_cache(model, batch_size, prompt_length + response_length, queries.device)
     if cache is None or synced_processes:
-        return sample_responses(
-            model, queries, query_mask, response_length, temperature, stop_token_id, pad_token_id, synced_processes
-        )
+        return sample_responses(model, queries, query_mask, response_length, temperature, stop_token_id,
+                                pad_token_id, synced_processes, generator)  # fmt: skip
     attention_mask = query_mask.new_zeros(batch_size, _cache_length(prompt_length + response_length), dtype=torch.long)
     attention_mask[:, :prompt_length] = query_mask
     position_ids = position_ids_from_mask(query_mask)
@@ -136,19 +139,21 @@ def sample_responses_compiled(
         stop_token_id,
         pad_token_id,
         False,
+        generator,
     )
 
 
 def _sampling_loop(
-    logits, step, positions, response_length, temperature, stop_token_id, pad_token_id, synced_processes
+    logits, step, positions, response_length, temperature, stop_token_id, pad_token_id, synced_processes, generator
 ) -> torch.Tensor:
     """Draw tokens from softmax(`logits` / temperature) `[B, V]`, then from the logits that `step(tokens,
-    positions, drawn so far)` returns for them, until `response_length` tokens or every row stopped."""
+    positions, drawn so far)` returns for them, until `response_length` tokens or every row stopped; with
+    `generator` (None: the process-wide one)."""
     finished = torch.zeros(logits.size(0), dtype=torch.bool, device=logits.device)
     tokens = []
     while True:
         probs = torch.softmax(logits.float() / temperature, dim=-1)
-        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1).masked_fill(finished, pad_token_id)
+        next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1).masked_fill(finished, pad_token_id)
         tokens.append(next_tokens)
         if stop_token_id is not None:
             finished |= next_tokens == stop_token_id
@@ -300,3 +305,11 @@ def generation_backend(backend: str, generation_kwargs: dict, response_length: i
     if kwargs or backend == "generate":
         return functools.partial(generate_with_transformers, **kwargs), settings
     return sample_responses, settings
+
+
+def takes_generator(backend: str, generation_kwargs: dict | None = None) -> bool:
+    """Whether the sampling that `generation_backend` picks for a resolved `backend` and `generation_kwargs` draws
+    from a `generator=` it is given (this module's loops) rather than the process-wide one (transformers'
+    `generate`, which takes none)."""
+    sample, _ = generation_backend(backend, generation_kwargs or {}, 1, 1.0, None)
+    return sample in (sample_responses, sample_responses_compiled)
