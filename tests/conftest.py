@@ -13,7 +13,9 @@ from datasets import Dataset
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+# Under pytest-xdist (`-n`) each worker is one of the suite's processes side by side: one thread each, or the
+# workers' threads outnumber the cores and wait on each other.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
@@ -57,6 +59,20 @@ def tiny_config(arch: str, tokenizer, dropout: float = 0.0):
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_word_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def _session_tokenizer_unchanged(request):
+    """The session's tokenizer is shared by every test (and, under pytest-xdist, by whichever tests a worker runs,
+    in any order): a test that changes it fails here, instead of a later test failing for it. Copy it to change it."""
+    if "tokenizer" not in request.fixturenames:
+        yield
+        return
+    shared = request.getfixturevalue("tokenizer")
+    before = (shared.pad_token, shared.eos_token, shared.padding_side, len(shared))
+    yield
+    after = (shared.pad_token, shared.eos_token, shared.padding_side, len(shared))
+    assert after == before, f"{request.node.nodeid} changed the session's tokenizer: copy it (copy.deepcopy) first"
 
 
 @pytest.fixture(scope="session")
@@ -229,3 +245,10 @@ def train_and_check_one_call_per_episode(trainer) -> None:
     logged = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry][0]
     assert logged["env/turns_mean"] == 2 and logged["env/tool_calls_mean"] == 1 and logged["env/tool_errors"] == 0
     assert logged["objective/scores/says_42"] == 1.0
+
+
+def pytest_collection_modifyitems(config, items):
+    """The multi-process and slow tests first (stable: in file order otherwise), so that pytest-xdist's workers end
+    on short tests rather than one of them on a minute-long run while the other waits."""
+    long = lambda item: any(item.get_closest_marker(name) for name in ("distributed", "slow"))  # noqa: E731
+    items.sort(key=lambda item: not long(item))

@@ -1,6 +1,8 @@
 """The loop of the old tutorials (gpt2-sentiment style), run with only the imports changed to `trl_ppo.legacy`:
 a tiny GPT-2 learns a rule reward within 10 epochs of 4 steps."""
 
+import copy
+
 import pytest
 import torch
 from datasets import Dataset
@@ -12,6 +14,7 @@ from trl_ppo.legacy.core import LengthSampler
 
 @pytest.mark.slow
 def test_the_tutorial_loop_raises_the_reward(tmp_path, tokenizer):
+    tokenizer = copy.deepcopy(tokenizer)  # the session's is shared with every other test
     tokenizer.pad_token = tokenizer.eos_token  # as the tutorials do
     torch.manual_seed(0)
     gpt2 = GPT2Config(
