@@ -47,6 +47,11 @@ def test_a_cell_row_takes_the_trainers_success_curve(config, monkeypatch, tmp_pa
     monkeypatch.setattr(bench.agent, "config", bench.agent.config)  # ... and wraps the config for its rollout
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: None)
     monkeypatch.setattr(slow_tools, "ROOT", str(tmp_path))
+    model = tmp_path / "model"  # what the parser checks for; nothing reads it (SmolLM2 may not be fetched yet)
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    parse_args = bench.parse_args
+    monkeypatch.setattr(bench, "parse_args", lambda argv: parse_args([*argv, "--model", str(model)]))
     row = slow_tools.run_cell(config, 0.2, updates=2, batch_size=4, seed=0)
     assert trained == [slow_tools.CONFIGS[config][0]]
     assert row["training_success"] == [0.25, 0.5] and row["episodes"] == 8
