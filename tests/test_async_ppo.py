@@ -18,6 +18,8 @@ ASYNC = dict(max_staleness=1, off_policy_correction="decoupled", save_strategy="
 def test_sampling_schedule_is_exactly_k_behind():
     assert [sampling_version(batch, 1) for batch in range(1, 6)] == [0, 0, 1, 2, 3]
     assert [sampling_version(batch, 2) for batch in range(1, 6)] == [0, 0, 0, 1, 2]
+    # a sampler started at version 2 (a resume): nothing older than the weights it has
+    assert [sampling_version(batch, 2, first_version=2) for batch in range(3, 8)] == [2, 2, 2, 3, 4]
 
 
 def test_stale_run_without_a_named_correction_is_refused(make_config, tokenizer, load_models, prompt_dataset):

@@ -92,13 +92,20 @@ def build_folder(folder: str | os.PathLike, label: str, build: Callable[[Path, P
     `build(work, staged)` writes the model into `staged`, using `work` (a temporary folder beside `folder`, removed
     afterwards) for anything else, and returns the provenance recorded in the done marker. A non-empty folder that is
     not complete is refused, never overwritten."""
+    from filelock import FileLock  # installed with torch
+
     folder = Path(folder).resolve()
     if is_complete(folder):
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(folder.parent / f".{folder.name}.lock"):  # two processes at once (test workers): one builds
+        return folder if is_complete(folder) else _build_folder(folder, label, build)
+
+
+def _build_folder(folder: Path, label: str, build: Callable[[Path, Path], dict]) -> Path:
     if folder.exists() and any(folder.iterdir()):
         raise FileExistsError(f"{folder} exists but is not a complete {label} folder (no {DONE_MARKER}); "
                               "remove it or choose another folder")
-    folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}-tmp-") as work:
         work = Path(work)
         staged = work / "model"
