@@ -120,11 +120,11 @@ def assert_learnt_chain_2(row, updates: int, batch: int):
     (OMP_NUM_THREADS=1, seeds 0-4), sampled success before -> after over 64 episodes: trl_ppo's GRPO 0.30 -> 0.77,
     0.30 -> 0.72, 0.28 -> 0.77, 0.30 -> 0.73, 0.39 -> 0.83; TRL's 0.30 -> 0.81, 0.30 -> 0.72, 0.28 -> 0.70,
     0.30 -> 0.83, 0.39 -> 0.83 (gains 0.42 to 0.53); greedy 1.0 after in all ten; the curve's last 4 updates above
-    its first 4 by 0.25 to 0.55. Re-measured on 2026-12-02, where that seed 0 no longer passed (torch 2.13.0,
-    transformers 5.24.0, accelerate 1.16.0; trl_ppo's GRPO, seeds 0-4): 0.30 -> 0.81, 0.30 -> 0.66, 0.28 -> 0.69,
-    0.30 -> 0.86, 0.39 -> 0.84, greedy 1.0 in all five, the curve's gap 0.08 (seed 0: one update of 16 episodes at
-    0.19 among its last 4), 0.44, 0.44, 0.34, 0.39. The curve is 16 episodes an update: its margin is the smaller,
-    the 64-episode evaluation carries the test."""
+    its first 4 by 0.25 to 0.55. Re-measured on 2026-12-02, on an AMD EPYC, where that seed 0 no longer passed
+    (torch 2.13.0, transformers 5.24.0, accelerate 1.16.0; trl_ppo's GRPO, seeds 0-4): 0.30 -> 0.81, 0.30 -> 0.66,
+    0.28 -> 0.69, 0.30 -> 0.86, 0.39 -> 0.84, greedy 1.0 in all five, the curve's gap 0.08 (seed 0: one update of 16
+    episodes at 0.19 among its last 4), 0.44, 0.44, 0.34, 0.39. The curve is 16 episodes an update: its margin is
+    the smaller, the 64-episode evaluation carries the test."""
     curve = row["success_curve"]
     assert len(curve) == updates and all(value * batch == int(value * batch) for value in curve)  # k of 16 episodes
     assert sum(curve[-4:]) / 4 >= sum(curve[:4]) / 4 + 0.05
