@@ -17,7 +17,7 @@ from ..data import prompts_on_device
 from ..fsdp import root_call
 from ..logprobs import ResponseOutput, response_logprobs
 from ..models import PreparedModels, peft_reference
-from .generation import generation_backend, takes_generator
+from .generation import draws_from_generator, generation_backend
 from .record import Rollout, chunks, masked_response_logprobs
 
 
@@ -73,7 +73,7 @@ def sample_responses(
     accelerator, wrapper = models.accelerator, models.wrapper
     settings["synced_processes"] = dist.sampling_needs_sync(accelerator, sampling.gather_weights)
     if sampling.generator is not None:
-        if not takes_generator(sampling.backend, generation_kwargs):  # the caller checks first: a bug otherwise
+        if not draws_from_generator(sample):  # the caller checks first (`takes_generator`): a bug otherwise
             raise ValueError(f"The {sampling.backend!r} sampling draws from the process-wide generator only.")
         settings["generator"] = sampling.generator
     with policy_sampling(models, sampling):

@@ -307,9 +307,12 @@ def generation_backend(backend: str, generation_kwargs: dict, response_length: i
     return sample_responses, settings
 
 
-def takes_generator(backend: str, generation_kwargs: dict | None = None) -> bool:
-    """Whether the sampling that `generation_backend` picks for a resolved `backend` and `generation_kwargs` draws
-    from a `generator=` it is given (this module's loops) rather than the process-wide one (transformers'
-    `generate`, which takes none)."""
-    sample, _ = generation_backend(backend, generation_kwargs or {}, 1, 1.0, None)
+def draws_from_generator(sample) -> bool:
+    """Whether a sampling function of `generation_backend` draws from a `generator=` it is given (this module's
+    loops) rather than the process-wide one (transformers' `generate`, which takes none)."""
     return sample in (sample_responses, sample_responses_compiled)
+
+
+def takes_generator(backend: str) -> bool:
+    """`draws_from_generator` for the sampling a resolved `backend` name picks (no `generate()` options)."""
+    return draws_from_generator(generation_backend(backend, {}, 1, 1.0, None)[0])
