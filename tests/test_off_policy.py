@@ -38,6 +38,34 @@ def test_tis_truncates_at_the_cap_and_counts_what_it_cut():
     close(stats["is_truncated_frac"], 1 / 3)
 
 
+def test_mis_drops_the_tokens_above_the_cap_and_keeps_the_rest_unclipped():
+    # AReaL's behaviour-weight cap: the weight 4.0 > C = 2 becomes 0 (not 2, as "tis" would make it); 0.5 and 1.0
+    # stay as they are; the pad stays 1.
+    weights, stats = behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "mis", tis_cap=2.0)
+    assert torch.allclose(weights, torch.tensor([[0.5, 1.0, 0.0, 1.0]]))
+    close(stats["is_weight_mean"], (0.5 + 1.0 + 4.0) / 3)
+    close(stats["is_truncated_frac"], 1 / 3)
+    # Under a cap above every weight, "mis" is "decoupled".
+    loose, loose_stats = behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "mis", tis_cap=5.0)
+    assert torch.allclose(loose, behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "decoupled")[0])
+    close(loose_stats["is_truncated_frac"], 0.0)
+
+
+def test_a_token_mis_dropped_gets_no_gradient():
+    # The tokens of test_weighted_policy_loss_by_hand under "mis" at C = 2 (weights 0.5, 1.0, 0.0): the third
+    # token's loss 1.1 is dropped, the mean still over the 3 tokens trained on: (-0.6 - 0.5 + 0) / 3.
+    proximal = torch.log(torch.tensor([0.2, 0.5, 0.8]))
+    behaviour = torch.log(torch.tensor([0.4, 0.5, 0.2]))
+    new_logprobs = (proximal + torch.log(torch.tensor([1.5, 0.5, 1.1]))).requires_grad_()
+    mask = torch.ones(3, dtype=torch.bool)
+    weights, _ = behaviour_weights(proximal, behaviour, mask, "mis", tis_cap=2.0)
+    loss, _ = losses.policy_loss(new_logprobs, proximal, torch.tensor([1.0, 1.0, -1.0]), mask, 0.2, weights=weights)
+    close(loss.detach(), (-0.6 - 0.5) / 3)
+    loss.backward()
+    close(new_logprobs.grad[1], -1.0 * 0.5 / 3)
+    close(new_logprobs.grad[2], 0.0)
+
+
 def test_none_weighs_every_token_one_and_still_reports_the_ratio():
     weights, stats = behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "none")
     assert torch.equal(weights, torch.ones(1, 4))
@@ -45,7 +73,7 @@ def test_none_weighs_every_token_one_and_still_reports_the_ratio():
 
 
 def test_unknown_correction_is_refused():
-    with pytest.raises(ValueError, match="decoupled, tis, none"):
+    with pytest.raises(ValueError, match="decoupled, tis, mis, none"):
         behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "vtrace")
 
 

@@ -224,15 +224,17 @@ def test_the_row_keeps_the_critics_explained_variance_per_update_and_turn():
     assert bench.explained_variance_curves([{"objective/scores/answer_reward": 0.5}]) == {}
 
 
-def test_the_row_keeps_the_sampler_trainer_logprob_difference_per_update():
+def test_the_row_keeps_the_logprob_difference_and_the_offpolicy_weights_per_update():
     history = [{"objective/scores/answer_reward": 0.5, "rollout/logprob_diff_mean": 0.01,
-                "rollout/logprob_diff_max": 0.2},
+                "rollout/logprob_diff_max": 0.2, "offpolicy/is_truncated_frac": 0.0},
                {"loss": 1.0, "rollout/logprob_diff_mean": 9.0},  # not an update's log: left out
                {"objective/scores/answer_reward": 0.7, "rollout/logprob_diff_mean": 0.03,
-                "rollout/logprob_diff_max": 0.5}]
-    assert bench.logprob_diff_curves(history) == {"logprob_diff_max": [0.2, 0.5], "logprob_diff_mean": [0.01, 0.03]}
-    assert bench.logprob_diff_curves(history[:1] + [{"objective/scores/answer_reward": 0.7}]) == {}  # not every one
-    assert bench.logprob_diff_curves([]) == {}
+                "rollout/logprob_diff_max": 0.5, "offpolicy/is_truncated_frac": 0.125}]
+    diff = "rollout/logprob_diff_"
+    assert bench.logged_curves(history, diff) == {"logprob_diff_max": [0.2, 0.5], "logprob_diff_mean": [0.01, 0.03]}
+    assert bench.logged_curves(history, "offpolicy/") == {"is_truncated_frac": [0.0, 0.125]}
+    assert bench.logged_curves(history[:1] + [{"objective/scores/answer_reward": 0.7}], diff) == {}  # not every one
+    assert bench.logged_curves([], diff) == {}
 
 
 def test_a_gpu_cell_trains_in_bf16_names_its_run_and_is_refused_without_cuda(tiny_chatml, capsys, monkeypatch):

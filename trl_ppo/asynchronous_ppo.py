@@ -136,7 +136,8 @@ class AsyncMethods:
         """Asynchronous runs: `offpolicy/staleness` (updates between the sampling policy and this update's start)
         and how far the behaviour policy's log-probs are from the proximal policy's (`rollout/logprob_diff_*`).
         With an `off_policy_correction` and the sampler's log-probs: `offpolicy/is_weight_mean`, `_max` (the raw
-        pi_prox / pi_behav over the update's tokens) and `offpolicy/is_truncated_frac` (tokens "tis" cut)."""
+        pi_prox / pi_behav over the update's tokens) and `offpolicy/is_truncated_frac` (tokens above `tis_cap`: cut
+        by "tis", dropped by "mis")."""
         args, metrics = self.args, {}
         if self._async_sampler is not None:
             sums = agreement_sums(rollout.sampler_logprobs, rollout.logprobs, rollout.response_mask)

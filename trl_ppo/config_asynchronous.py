@@ -27,14 +27,18 @@ class AsyncConfig:
         metadata={
             "help": "PPO's ratio is always pi_theta / pi_prox, clipped around the policy the update starts from "
             "(its log-probs recomputed at training time); this names each token's weight: 'decoupled' (AReaL: "
-            "pi_prox / pi_behav), 'tis' (that weight capped at `tis_cap`) or 'none' (1: the staleness ignored, the "
-            "ablation). At `max_staleness=0` it corrects the sampler/trainer mismatch where the agents' engine "
+            "pi_prox / pi_behav), 'tis' (that weight capped at `tis_cap`), 'mis' (that weight where it is at most "
+            "`tis_cap`, 0 above: AReaL's behaviour-weight cap) or 'none' (1: the staleness ignored, the ablation). "
+            "At `max_staleness=0` it corrects the sampler/trainer mismatch where the agents' engine "
             "records it."
         },
     )
     tis_cap: float = field(
         default=2.0,
-        metadata={"help": "C of 'tis': each token's weight is min(pi_prox / pi_behav, C)."},
+        metadata={
+            "help": "C of 'tis' and 'mis': 'tis' weighs each token min(pi_prox / pi_behav, C); 'mis' drops a token "
+            "whose pi_prox / pi_behav exceeds C (weight 0)."
+        },
     )
 
 
@@ -51,12 +55,13 @@ def check_async_options(args, fail) -> None:
         fail(
             f"`max_staleness={staleness}` trains on episodes sampled by a policy {staleness} update(s) old: PPO's "
             "ratio is clipped around the policy the update starts from, and the episodes need a weight for the "
-            "policy that sampled them. Set `off_policy_correction` to 'decoupled' (AReaL) or 'tis' (truncated "
-            "importance sampling), or to 'none' to leave their staleness uncorrected (an ablation)."
+            "policy that sampled them. Set `off_policy_correction` to 'decoupled' (AReaL), 'tis' (truncated "
+            "importance sampling) or 'mis' (masked importance sampling), or to 'none' to leave their staleness "
+            "uncorrected (an ablation)."
         )
     if staleness >= 1 and correction == "none":
         warnings.warn(
             f"`max_staleness={staleness}` with `off_policy_correction='none'`: the episodes' staleness is not "
-            "corrected for (the ablation); use 'decoupled' or 'tis' to train on them safely.",
+            "corrected for (the ablation); use 'decoupled', 'tis' or 'mis' to train on them safely.",
             stacklevel=3,
         )

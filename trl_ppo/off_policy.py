@@ -13,6 +13,9 @@ A correction turns pi_prox / pi_behav into a weight per token that multiplies th
   "decoupled"  AReaL's decoupled PPO objective: the weight pi_prox / pi_behav itself (unbiased, unbounded);
   "tis"        truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
                off-policy RL training"): min(pi_prox / pi_behav, C), bounded by C at the price of a bias;
+  "mis"        masked importance sampling (AReaL's `behav_imp_weight_cap`): pi_prox / pi_behav where it is <= C and
+               0 above, so a token the sampler drew far more readily than the proximal policy would is dropped from
+               the update instead of being kept at weight C;
   "none"       weight 1: the staleness is ignored (the ablation).
 """
 
@@ -22,7 +25,8 @@ import torch
 
 from .ppo import masked_mean
 
-CORRECTIONS = ("decoupled", "tis", "none")
+CORRECTIONS = ("decoupled", "tis", "mis", "none")
+CAPPED = ("tis", "mis")  # the corrections that use `tis_cap`
 
 
 def behaviour_weights(
@@ -36,21 +40,24 @@ def behaviour_weights(
 
     proximal_logprobs, behaviour_logprobs `[B, T]`: log pi_prox and log pi_behav of each sampled token (no
     gradients: both are numbers recorded before the update's forward). response_mask `[B, T]` bool: the tokens
-    trained on; elsewhere the weight is 1. `tis_cap`: C of "tis".
+    trained on; elsewhere the weight is 1. `tis_cap`: C of "tis" and "mis".
     Returns the weights `[B, T]` (detached) and stats over the masked tokens, detached 0-d tensors: `is_weight_mean`
     and `is_weight_max` (the raw pi_prox / pi_behav, before any truncation: how far the sampler was from the
-    proximal policy) and `is_truncated_frac` (tokens whose raw weight exceeded C: "tis" only, else 0).
+    proximal policy) and `is_truncated_frac` (tokens whose raw weight exceeded C, truncated by "tis" or masked by
+    "mis"; else 0).
     """
     if correction not in CORRECTIONS:
         raise ValueError(f"Unknown off-policy correction {correction!r}: use one of {', '.join(CORRECTIONS)}.")
     with torch.no_grad():
         raw = torch.exp(proximal_logprobs.float() - behaviour_logprobs.float())
         raw = torch.where(response_mask, raw, torch.ones_like(raw))
-        truncated = (raw > tis_cap) & response_mask if correction == "tis" else torch.zeros_like(response_mask)
+        truncated = (raw > tis_cap) & response_mask if correction in CAPPED else torch.zeros_like(response_mask)
         if correction == "decoupled":
             weights = raw
         elif correction == "tis":
             weights = raw.clamp(max=tis_cap)
+        elif correction == "mis":
+            weights = raw.masked_fill(truncated, 0.0)
         else:
             weights = torch.ones_like(raw)
         masked_max = raw.masked_fill(~response_mask, float("-inf")).max() if response_mask.any() else raw.new_ones(())

@@ -39,7 +39,7 @@ OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
               "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "max_grad_norm", "skip_zero_gradient_steps",
               "warm_start_settings", "max_staleness", "off_policy_correction", "critic_learning_rate",
-              "agent_rollout")
+              "agent_rollout", "tis_cap", "num_mini_batches")
 # Each trainer's own default: `Trainer`'s 1.0 for TRL's GRPO, none (0) for trl_ppo's (PPOv2 clips nothing).
 DEFAULT_MAX_GRAD_NORM = {"trl_grpo": 1.0}
 # What TRL logs of the reward at each step (its name: the function's).
@@ -77,6 +77,11 @@ def parse_args(argv=None):
         if args.estimator == "trl_grpo":
             parser.error("--max_staleness: TRL's GRPOTrainer has no such option")
         changed.append(f"-stale{args.max_staleness}{args.off_policy_correction}")
+    for name, tag in (("tis_cap", "cap"), ("num_mini_batches", "mb")):
+        if getattr(args, name) is not None:
+            if args.estimator == "trl_grpo":
+                parser.error(f"--{name}: not an option of this comparison with TRL's GRPOTrainer")
+            changed.append(f"-{tag}{getattr(args, name):g}")
     if args.critic_learning_rate is not None:
         changed.append(f"-clr{args.critic_learning_rate:g}")
     if args.estimator == "trl_grpo":
@@ -104,12 +109,13 @@ def last_checkpoint(folder: str) -> bool:
 
 def train_trl_ppo(args, tokenizer):
     """trl_ppo's trainer -> (the trained LM, the training success curve, per-update curves for the row: the critic's
-    explained variance and, where logged, the sampler/trainer log-prob difference)."""
+    explained variance and, where logged, the sampler/trainer log-prob difference and the off-policy weights)."""
     policy = agent.load_policy(args.warm_start)
     trainer = agent.trainer_for(args, policy, tokenizer)
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
     updates = [h for h in trainer.state.log_history if SUCCESS in h]
-    curves = {"explained_variance": explained_variance_curves(updates), **logprob_diff_curves(updates)}
+    curves = {"explained_variance": explained_variance_curves(updates),
+              **logged_curves(updates, "rollout/logprob_diff_"), **logged_curves(updates, "offpolicy/")}
     return policy, [round(float(h[SUCCESS]), 4) for h in updates], curves
 
 
@@ -124,12 +130,13 @@ def explained_variance_curves(history: list[dict]) -> dict[str, list[float | Non
                                                                 for h in updates] for name in names}
 
 
-def logprob_diff_curves(history: list[dict]) -> dict[str, list[float]]:
-    """`rollout/logprob_diff_*` (the sampler's log-probs of its tokens against the training forward's) at each
-    update -> {"logprob_diff_mean": [...], ...}, only the names logged at every update (none: {})."""
+def logged_curves(history: list[dict], prefix: str) -> dict[str, list[float]]:
+    """Each metric named `prefix`* at each update -> {its name less the part before "/": [...]}, only the names
+    logged at every update (none: {}). "rollout/logprob_diff_": the sampler's log-probs of its tokens against the
+    training forward's; "offpolicy/": the off-policy correction's weights (`off_policy.behaviour_weights`)."""
     updates = [h for h in history if SUCCESS in h]
-    names = sorted({k for h in updates for k in h if k.startswith("rollout/logprob_diff_")})
-    return {name.removeprefix("rollout/"): [round(h[name], 6) for h in updates] for name in names
+    names = sorted({k for h in updates for k in h if k.startswith(prefix)})
+    return {name.split("/", 1)[1]: [round(h[name], 6) for h in updates] for name in names
             if updates and all(name in h for h in updates)}
 
 
@@ -219,7 +226,8 @@ def run(args, tokenizer) -> dict:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "peak_cuda_gib": peak,
         "max_staleness": args.max_staleness,
         "off_policy_correction": args.off_policy_correction, "critic_learning_rate": args.critic_learning_rate,
-        "agent_rollout": args.agent_rollout, "resumed": resumed,
+        "agent_rollout": args.agent_rollout, "tis_cap": args.tis_cap, "num_mini_batches": args.num_mini_batches,
+        "resumed": resumed,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }
 

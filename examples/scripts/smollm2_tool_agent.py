@@ -51,12 +51,15 @@ def config(args):
     from trl_ppo import PPOConfig
 
     critic = args.estimator == "gae"
+    mini_batches = args.num_mini_batches or 1
+    capped = {} if args.tis_cap is None else {"tis_cap": args.tis_cap}
     return PPOConfig(
         # The update in passes of `--micro_batch` episodes: the same update (the loss is normalised over the whole
         # batch), a quarter of the activations of one pass of 8 (7.5 of the demo's 10 GB were those).
         output_dir=args.output_dir, per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=args.batch_size // args.micro_batch,
-        total_episodes=args.batch_size * args.updates, num_ppo_epochs=args.ppo_epochs, num_mini_batches=1,
+        gradient_accumulation_steps=args.batch_size // (args.micro_batch * mini_batches),
+        total_episodes=args.batch_size * args.updates, num_ppo_epochs=args.ppo_epochs,
+        num_mini_batches=mini_batches,
         learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type, temperature=1.0,
         response_length=args.response_length, max_turns=args.max_turns, max_tool_response_length=8,
         stop_token="eos", missing_eos_penalty=args.missing_eos_penalty,
@@ -68,7 +71,7 @@ def config(args):
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, save_total_limit=1,
         report_to="none", logging_steps=1, use_cpu=args.device == "cpu", bf16=args.device == "cuda", disable_tqdm=True,
         max_staleness=args.max_staleness, off_policy_correction=args.off_policy_correction,
-        critic_learning_rate=args.critic_learning_rate, agent_rollout=args.agent_rollout,
+        critic_learning_rate=args.critic_learning_rate, agent_rollout=args.agent_rollout, **capped,
     )
 
 
@@ -159,6 +162,9 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
                         "the same update")
     parser.add_argument("--num_generations", type=int, default=4, help="group size of the critic-free estimators")
     parser.add_argument("--ppo_epochs", type=int, default=1)
+    parser.add_argument("--num_mini_batches", type=int, default=None,
+                        help="optimizer steps per PPO epoch, each on batch/M episodes (default 1: one step per "
+                        "update, where PPO's ratio stays 1 and its clip never acts)")
     parser.add_argument("--learning_rate", type=float, default=3e-5)
     parser.add_argument("--lr_scheduler_type", choices=("constant", "linear"), default="constant")
     parser.add_argument("--kl_coef", type=float, default=0.05)
@@ -180,8 +186,10 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
     parser.add_argument("--resume", action="store_true", help="go on from the last checkpoint in --output_dir")
     parser.add_argument("--max_staleness", type=int, default=0,
                         help="asynchronous PPO: sample up to this many updates ahead in a process of its own (0: off)")
-    parser.add_argument("--off_policy_correction", choices=("decoupled", "tis", "none"), default=None,
+    parser.add_argument("--off_policy_correction", choices=("decoupled", "tis", "mis", "none"), default=None,
                         help="with --max_staleness: how the update corrects for the older sampling policy")
+    parser.add_argument("--tis_cap", type=float, default=None,
+                        help="C of 'tis' and 'mis' (default: the trainer's, 2.0)")
     parser.add_argument("--critic_learning_rate", type=float, default=None,
                         help="with 'gae': the value head's own rate (default: --learning_rate, as the policy's)")
     parser.add_argument("--agent_rollout", choices=("continuous", "lockstep"), default="continuous",
@@ -215,6 +223,13 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
         parser.error(f"--max_grad_norm must be at least 0 (0: no clipping), got {args.max_grad_norm}")
     if args.batch_size % args.micro_batch:
         parser.error(f"--micro_batch ({args.micro_batch}) must divide --batch_size ({args.batch_size})")
+    if args.num_mini_batches is not None and (
+        args.num_mini_batches < 1 or args.batch_size % (args.micro_batch * args.num_mini_batches)
+    ):
+        parser.error(f"--micro_batch x --num_mini_batches ({args.micro_batch} x {args.num_mini_batches}) must "
+                     f"divide --batch_size ({args.batch_size})")
+    if args.tis_cap is not None and not args.tis_cap >= 1:
+        parser.error(f"--tis_cap must be at least 1, got {args.tis_cap}")
     if args.critic_learning_rate is not None and (args.estimator != "gae" or not args.critic_learning_rate > 0):
         parser.error(f"--critic_learning_rate must be > 0, and needs --estimator gae (a critic), got "
                      f"{args.critic_learning_rate} with {args.estimator}")
