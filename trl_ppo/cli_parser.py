@@ -50,6 +50,8 @@ SECTIONS = (
      "critic_warmup_epochs lam_value"),
     ("KL to the reference", "kl_coef kl_estimator kl_penalty kl_target kl_horizon"),
     ("rewards", "reward_weights use_score_scaling use_score_norm score_clip"),
+    ("the vLLM engine (generation_backend='vllm')", "vllm_gpu_memory_utilization vllm_kv_cache_gib "
+     "vllm_max_model_len vllm_enforce_eager"),
     ("asynchronous PPO", "max_staleness off_policy_correction tis_cap"),
     ("agents: tools and environments", "max_turns max_tool_response_length tool_chat_template truncated_episodes "
      "agent_rollout use_sampler_logprobs"),

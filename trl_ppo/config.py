@@ -19,6 +19,7 @@ from .config_critic import CriticConfig
 from .config_deadlines import DeadlineConfig
 from .config_estimators import EstimatorConfig
 from .config_fields import check_fields, check_interval_steps
+from .config_vllm import VLLMConfig
 
 
 @dataclass
@@ -80,7 +81,7 @@ class OnPolicyConfig(TrainingArguments):
             "other models are called whole. 0: always the plain forward with full logits."
         },
     )
-    generation_backend: Literal["auto", "kv_cache", "compiled", "compiled_loop", "generate"] = field(
+    generation_backend: Literal["auto", "kv_cache", "compiled", "compiled_loop", "generate", "vllm"] = field(
         default="auto",
         metadata={
             "help": "How responses are sampled. 'kv_cache': a plain sampling loop over the model's KV cache (any "
@@ -88,7 +89,9 @@ class OnPolicyConfig(TrainingArguments):
             "CUDA graphs (on CUDA; the first rollouts pay the compilation). 'compiled_loop' (experimental): the same "
             "static cache and compiled step driven by trl_ppo's own loop instead of `generate`. 'generate': "
             "`generate` with its defaults. 'auto': 'compiled' on a CUDA device without DeepSpeed ZeRO-3 or PEFT, "
-            "else 'kv_cache'. All sample from softmax(logits / temperature)."
+            "else 'kv_cache'. 'vllm': a vLLM engine in the trainer's process samples the training rollouts (the "
+            "`vllm` extra; the policy's weights pushed to it after every update; the `vllm_*` fields), the other "
+            "sampling (completion tables, `generate`) runs 'kv_cache'. All sample from softmax(logits / temperature)."
         },
     )
     num_sample_generations: int = field(
@@ -187,11 +190,11 @@ class OnPolicyConfig(TrainingArguments):
 
 
 @dataclass
-class PPOConfig(AsyncConfig, CriticConfig, AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
+class PPOConfig(VLLMConfig, AsyncConfig, CriticConfig, AgentConfig, DeadlineConfig, EstimatorConfig, OnPolicyConfig):
     """PPO hyper-parameters (defaults from the PPOv2 trainer and the "N implementation details of RLHF" report), the
     advantage estimator with its samples per prompt (`EstimatorConfig`), the deadlines on calls into user code
-    (`DeadlineConfig`), the shape of multi-turn episodes (`AgentConfig`), how the critic learns (`CriticConfig`)
-    and asynchronous sampling with its off-policy correction (`AsyncConfig`)."""
+    (`DeadlineConfig`), the shape of multi-turn episodes (`AgentConfig`), how the critic learns (`CriticConfig`),
+    asynchronous sampling with its off-policy correction (`AsyncConfig`) and the vLLM engine (`VLLMConfig`)."""
 
     exp_name: str = field(default="ppo_config", metadata={"help": "Name of this experiment."})
     reward_model_path: str = field(

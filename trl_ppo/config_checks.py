@@ -13,6 +13,7 @@ from .config import OnPolicyConfig, PPOConfig
 from .config_agents import check_agent_options
 from .config_asynchronous import check_async_options
 from .config_fields import check_fields
+from .config_vllm import check_vllm_options
 from .deadlines import Deadlines
 from .estimators import CRITIC_FREE, ESTIMATORS, SCALE_REWARDS, uses_critic
 from .kl import KL_ESTIMATORS
@@ -143,10 +144,10 @@ def validate_config(args: OnPolicyConfig) -> None:
         fail(f"Unknown `stop_token` {args.stop_token!r}: use 'eos', or `stop_token_id` for another token.")
     if args.stop_token is not None and args.stop_token_id is not None:
         fail(f"`stop_token` ({args.stop_token!r}) and `stop_token_id` ({args.stop_token_id}) are both set: keep one.")
-    if args.generation_backend not in ("auto", "kv_cache", "compiled", "compiled_loop", "generate"):
+    if args.generation_backend not in ("auto", "kv_cache", "compiled", "compiled_loop", "generate", "vllm"):
         fail(
             f"Unknown `generation_backend` {args.generation_backend!r}: use 'auto', 'kv_cache', 'compiled', "
-            "'compiled_loop' or 'generate'."
+            "'compiled_loop', 'generate' or 'vllm'."
         )
     if args.logprobs_chunk_size < 0:
         fail(f"`logprobs_chunk_size` must be >= 0 (0: no chunking), got {args.logprobs_chunk_size}.")
@@ -268,6 +269,7 @@ def _validate_ppo_config(args: PPOConfig) -> None:
     _validate_estimator(args)
     check_async_options(args, fail)
     check_agent_options(args, fail)
+    check_vllm_options(args, fail)
 
 
 def _validate_critic_options(args: PPOConfig) -> None:

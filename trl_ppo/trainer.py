@@ -47,11 +47,12 @@ from .rewards import Scoring
 from .rollout import Rollout, Sampling, add_logprobs_and_values, collect_rollout
 from .rollout.generation import resolve_backend
 from .step_methods import StepMethods
+from .vllm_methods import EngineMethods, check_engine_layout
 
 logger = logging.get_logger(__name__)
 
 
-class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, AsyncMethods, OnPolicyTrainer):
+class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, EngineMethods, AsyncMethods, OnPolicyTrainer):
     """Train a causal LM policy with PPO against a reward, keeping it close to a reference policy.
 
     Args:
@@ -133,6 +134,7 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, AsyncMeth
         fsdp_version = fsdp.fsdp_version(accelerator)
         dist.check_supported(args, self.is_deepspeed_enabled, fsdp_version, stage, shares_layers)
         check_async_layout(args, accelerator, self.is_deepspeed_enabled, fsdp_version)
+        check_engine_layout(args, accelerator, self.is_deepspeed_enabled, fsdp_version, self.is_peft_model, self.agents)
         fsdp.check_settings(accelerator)
         fsdp.keep_float32_outputs(accelerator)
         self.sampling_backend = resolve_backend(
@@ -223,7 +225,7 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, AsyncMeth
         with tools or environments, one multi-turn episode per prompt. `generator`: what sampling draws from
         (None: the process-wide generator)."""
         collect = collect_rollout if self.agents is None else self.agents.collect
-        sampling = dataclasses.replace(self._sampling(), generator=generator)
+        sampling = dataclasses.replace(self._sampling(), generator=generator, **self._engine_sampling())
         rollout = collect(batch, self._models(), sampling, self.args, behaviour_only=behaviour_only)
         if rollout.truncated is None and self.stop_token_id is not None:  # one turn: cut where it did not stop
             rollout.truncated = ~ppo.contains_stop_token(rollout.responses, rollout.response_mask, self.stop_token_id)

@@ -19,6 +19,7 @@ from ..logprobs import ResponseOutput, response_logprobs
 from ..models import PreparedModels, peft_reference
 from .generation import draws_from_generator, generation_backend
 from .record import Rollout, chunks, masked_response_logprobs
+from .vllm_engine import VLLMEngine
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Sampling:
     gather_weights: bool = True  # `ds3_gather_for_generation`
     # what sampling draws from; None: the process-wide generator (the asynchronous sampler has one of its own)
     generator: torch.Generator | None = field(default=None, compare=False)
+    # 'vllm': the engine that samples the training rollouts and the update its weights must be from
+    engine: VLLMEngine | None = field(default=None, compare=False)
+    version: int | None = None
 
     @classmethod
     def from_config(cls, args, backend: str, stop_token_id: int | None, pad_token_id: int) -> "Sampling":
@@ -55,7 +59,16 @@ def sample_rollout(
     models: PreparedModels, queries: torch.Tensor, query_mask: torch.Tensor, sampling: Sampling, **generation_kwargs
 ) -> Rollout:
     """Sample one response to each left-padded prompt `[B, Lq]` -> a `Rollout` of the prompts, the responses
-    `[B, T]` and their masks (True up to the stop token; `generation_kwargs["eos_token_id"]` overrides it)."""
+    `[B, T]` and their masks (True up to the stop token; `generation_kwargs["eos_token_id"]` overrides it). With
+    `sampling.engine` and no `generation_kwargs`, the engine samples and its log-probs are the `sampler_logprobs`."""
+    if sampling.engine is not None and not generation_kwargs:
+        responses, sampler_logprobs = sampling.engine.sample(
+            queries, query_mask, sampling.response_length, sampling.temperature, sampling.stop_token_id,
+            sampling.pad_token_id, generator=sampling.generator, version=sampling.version,
+        )  # fmt: skip
+        mask = ppo.response_mask_after_stop(responses, sampling.stop_token_id)
+        sampler_logprobs = sampler_logprobs.masked_fill(~mask, ppo.INVALID_LOGPROB)
+        return Rollout(queries, query_mask, responses, mask, sampler_logprobs=sampler_logprobs)
     responses = sample_responses(models, queries, query_mask, sampling, **generation_kwargs)
     stop_token_id = generation_kwargs.get("eos_token_id", sampling.stop_token_id)
     return Rollout(queries, query_mask, responses, ppo.response_mask_after_stop(responses, stop_token_id))

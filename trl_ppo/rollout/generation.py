@@ -10,6 +10,8 @@ backend is a new function of that shape, not a new trainer. `generation_backend`
   per-token cost is a graph replay instead of hundreds of kernel launches from Python.
 * `sample_responses_compiled` ('compiled_loop', experimental): the same static cache and compiled step, driven by
   the loop of `sample_responses` instead of `generate`'s per-token Python.
+* 'vllm': a vLLM engine (`vllm_engine.py`) samples the training rollouts (`collect.sample_rollout`, given the
+  engine); sampling without the engine (completion tables, `generate`) is 'kv_cache''s here.
 
 All of them sample from softmax(logits / temperature) over the whole vocabulary, the distribution that the PPO
 update computes log-probabilities under, unless `generation_kwargs` ask for more (top-k, ...).

@@ -1,0 +1,62 @@
+"""The trainer's side of `generation_backend='vllm'` (mixed into `PPOTrainer`): the engine made on the first
+rollout, the policy's weights pushed to it after every update, the training rollouts sampled by it, and the
+sampler/trainer log-prob difference logged. The engine itself is `rollout/vllm_engine.py`."""
+
+from __future__ import annotations
+
+from .rollout import Rollout
+from .rollout.agreement import agreement_metrics, agreement_sums
+from .rollout.vllm_engine import VLLMEngine
+
+
+def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int | None, peft: bool, agents) -> None:
+    """What the 'vllm' backend cannot run with yet, refused before any rollout."""
+    if args.generation_backend != "vllm":
+        return
+    why = None
+    if accelerator.num_processes > 1 or is_deepspeed or fsdp_version:
+        why = "runs its engine in one process without DeepSpeed or FSDP for now"
+    elif peft:
+        why = "does not take PEFT (LoRA) policies yet: merge the adapter, or use generation_backend='kv_cache'"
+    elif agents is not None:
+        why = "samples one-turn rollouts for now; episodes with tools or environments run 'kv_cache'"
+    elif args.max_staleness:
+        why = "samples in the trainer's process for now, and `max_staleness` samples in a process of its own"
+    if why:
+        raise ValueError(f"`generation_backend='vllm'` {why}.")
+
+
+class EngineMethods:
+    """`_engine_sampling` for the training rollouts; `_publish_weights` and `_sampling_metrics` extend the
+    asynchronous ones."""
+
+    _vllm_engine: VLLMEngine | None = None
+
+    def _engine_sampling(self) -> dict:
+        """`Sampling`'s `engine` and `version` for a training rollout ({} without the 'vllm' backend); the engine is
+        made, and given the policy's weights, on the first call (after any resume)."""
+        if self.args.generation_backend != "vllm":
+            return {}
+        if self._vllm_engine is None:
+            args, policy, cuda = self.args, self._models().wrapper.lm, self.accelerator.device.type == "cuda"
+            eager, kv_cache = args.vllm_enforce_eager, args.vllm_kv_cache_gib
+            self._vllm_engine = VLLMEngine(
+                policy, args.seed, args.vllm_gpu_memory_utilization, kv_cache if kv_cache or cuda else 1.0,
+                args.vllm_max_model_len, enforce_eager=not cuda if eager is None else eager,
+            )  # fmt: skip
+            self._vllm_engine.push(policy, self.state.global_step)
+        return {"engine": self._vllm_engine, "version": self.state.global_step}
+
+    def _publish_weights(self, update: int) -> None:
+        """After `update`: the engine (and the asynchronous sampler) samples with the new weights."""
+        super()._publish_weights(update)
+        if self._vllm_engine is not None:
+            self._vllm_engine.push(self._models().wrapper.lm, self.state.global_step)
+
+    def _sampling_metrics(self, rollout: Rollout) -> dict[str, float]:
+        """With the engine's log-probs of a one-turn rollout: `rollout/logprob_diff_*` too."""
+        metrics = super()._sampling_metrics(rollout)
+        if self._vllm_engine is not None and rollout.sampler_logprobs is not None:
+            sums = agreement_sums(rollout.sampler_logprobs, rollout.logprobs, rollout.response_mask)
+            metrics |= agreement_metrics(sums[None])
+        return metrics
