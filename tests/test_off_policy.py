@@ -51,21 +51,6 @@ def test_mis_drops_the_tokens_above_the_cap_and_keeps_the_rest_unclipped():
     close(loose_stats["is_truncated_frac"], 0.0)
 
 
-def test_a_token_mis_dropped_gets_no_gradient():
-    # The tokens of test_weighted_policy_loss_by_hand under "mis" at C = 2 (weights 0.5, 1.0, 0.0): the third
-    # token's loss 1.1 is dropped, the mean still over the 3 tokens trained on: (-0.6 - 0.5 + 0) / 3.
-    proximal = torch.log(torch.tensor([0.2, 0.5, 0.8]))
-    behaviour = torch.log(torch.tensor([0.4, 0.5, 0.2]))
-    new_logprobs = (proximal + torch.log(torch.tensor([1.5, 0.5, 1.1]))).requires_grad_()
-    mask = torch.ones(3, dtype=torch.bool)
-    weights, _ = behaviour_weights(proximal, behaviour, mask, "mis", tis_cap=2.0)
-    loss, _ = losses.policy_loss(new_logprobs, proximal, torch.tensor([1.0, 1.0, -1.0]), mask, 0.2, weights=weights)
-    close(loss.detach(), (-0.6 - 0.5) / 3)
-    loss.backward()
-    close(new_logprobs.grad[1], -1.0 * 0.5 / 3)
-    close(new_logprobs.grad[2], 0.0)
-
-
 def test_none_weighs_every_token_one_and_still_reports_the_ratio():
     weights, stats = behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "none")
     assert torch.equal(weights, torch.ones(1, 4))
@@ -77,22 +62,38 @@ def test_unknown_correction_is_refused():
         behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "vtrace")
 
 
-def test_weighted_policy_loss_by_hand():
-    # r = pi_theta / pi_prox = 1.5, 0.5, 1.1 with A = 1, 1, -1: clipped per-token losses -1.2, -0.5, 1.1
-    # (test_ppo_math); weighted by "tis" at C = 2 (0.5, 1.0, 2.0): -0.6, -0.5, 2.2, token-mean over 3.
+def weighted_three_tokens(correction: str):
+    """r = pi_theta / pi_prox = 1.5, 0.5, 1.1 with A = 1, 1, -1 (clipped per-token losses -1.2, -0.5, 1.1, as in
+    test_ppo_math) and pi_prox / pi_behav = 0.5, 1.0, 4.0, weighted by `correction` at C = 2 -> (the new
+    log-probs, with gradients; the loss; its stats)."""
     proximal = torch.log(torch.tensor([0.2, 0.5, 0.8]))
     behaviour = torch.log(torch.tensor([0.4, 0.5, 0.2]))
     new_logprobs = (proximal + torch.log(torch.tensor([1.5, 0.5, 1.1]))).requires_grad_()
     mask = torch.ones(3, dtype=torch.bool)
-    weights, _ = behaviour_weights(proximal, behaviour, mask, "tis", tis_cap=2.0)
+    weights, _ = behaviour_weights(proximal, behaviour, mask, correction, tis_cap=2.0)
     loss, stats = losses.policy_loss(new_logprobs, proximal, torch.tensor([1.0, 1.0, -1.0]), mask, 0.2, weights=weights)
-    close(loss.detach(), (-0.6 - 0.5 + 2.2) / 3)
-    close(stats["ratio"], (1.5 + 0.5 + 1.1) / 3)  # the ratio against the proximal policy, unweighted
     loss.backward()
+    return new_logprobs, loss.detach(), stats
+
+
+def test_weighted_policy_loss_by_hand():
+    # "tis" at C = 2 weighs the losses by 0.5, 1.0, 2.0: -0.6, -0.5, 2.2, token-mean over 3.
+    new_logprobs, loss, stats = weighted_three_tokens("tis")
+    close(loss, (-0.6 - 0.5 + 2.2) / 3)
+    close(stats["ratio"], (1.5 + 0.5 + 1.1) / 3)  # the ratio against the proximal policy, unweighted
     # d/dlogp of w * (-A r) where unclipped is active: -w A r / 3; token 0 is clipped (no gradient)
     close(new_logprobs.grad[0], 0.0)
     close(new_logprobs.grad[1], -1.0 * 0.5 / 3)
     close(new_logprobs.grad[2], 2.0 * 1.1 / 3)
+
+
+def test_a_token_mis_dropped_gets_no_gradient():
+    # "mis" at C = 2 weighs them by 0.5, 1.0, 0.0: the third token's loss 1.1 is dropped, the mean still over the 3
+    # tokens trained on: (-0.6 - 0.5 + 0) / 3.
+    new_logprobs, loss, _ = weighted_three_tokens("mis")
+    close(loss, (-0.6 - 0.5) / 3)
+    close(new_logprobs.grad[1], -1.0 * 0.5 / 3)
+    close(new_logprobs.grad[2], 0.0)
 
 
 def test_decoupled_weight_one_when_nothing_is_stale():
