@@ -10,7 +10,8 @@ from .rollout.vllm_engine import VLLMEngine
 
 
 def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int | None, peft: bool, agents) -> None:
-    """What the 'vllm' backend cannot run with yet, refused before any rollout."""
+    """What the 'vllm' backend cannot run with yet that the config alone does not tell (`check_vllm_options` refuses
+    the rest), refused before any rollout."""
     if args.generation_backend != "vllm":
         return
     why = None
@@ -20,8 +21,6 @@ def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int
         why = "does not take PEFT (LoRA) policies yet: merge the adapter, or use generation_backend='kv_cache'"
     elif agents is not None:
         why = "samples one-turn rollouts for now; episodes with tools or environments run 'kv_cache'"
-    elif args.max_staleness:
-        why = "samples in the trainer's process for now, and `max_staleness` samples in a process of its own"
     if why:
         raise ValueError(f"`generation_backend='vllm'` {why}.")
 
