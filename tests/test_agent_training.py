@@ -66,13 +66,13 @@ def shop_dataset():
     )
 
 
-def agent_trainer(make_config, tokenizer, reward, **overrides):
+def agent_trainer(make_config, tokenizer, reward, policy=None, **overrides):
     values = dict(max_turns=3, response_length=280, total_episodes=4, stop_token="eos", num_ppo_epochs=1)
     values |= dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, local_rollout_forward_batch_size=2)
     return PPOTrainer(
         args=make_config(**{**values, **overrides}),
         processing_class=tokenizer,
-        model=tool_policy(tokenizer),
+        model=tool_policy(tokenizer) if policy is None else policy,
         ref_model=None,
         reward_model=[reward],
         train_dataset=shop_dataset(),

@@ -6,6 +6,8 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import needs_tool_parsing, tiny_config
+from transformers import AutoModelForCausalLM
 
 from trl_ppo import PPOTrainer
 from trl_ppo.config_checks import validate_config
@@ -109,13 +111,13 @@ def test_the_stop_token_ends_a_response_and_padding_follows(engine_and_policy, t
     assert responses[0, 0] == stop and (responses[0, 1:] == PAD).all() and (logprobs[0, 1:] == 0).all()
 
 
-def vllm_trainer(make_config, tokenizer, load_models, prompt_dataset, **overrides):
+def vllm_trainer(make_config, tokenizer, load_models, prompt_dataset, critic=True, **overrides):
     _, value_model, reward_model = load_models()
     settings = dict(generation_backend="vllm", vllm_kv_cache_gib=0.05, response_length=8, total_episodes=16)
     config = make_config(**settings | overrides)
     return PPOTrainer(
         args=config, processing_class=tokenizer, model=engine_sized_policy(tokenizer), ref_model=None,
-        reward_model=reward_model, value_model=value_model, train_dataset=prompt_dataset,
+        reward_model=reward_model, value_model=value_model if critic else None, train_dataset=prompt_dataset,
     )  # fmt: skip
 
 
@@ -128,7 +130,8 @@ def test_ppo_trains_on_the_engine_and_resumes_exactly(make_config, tokenizer, lo
     trainer = vllm_trainer(make_config, tokenizer, load_models, prompt_dataset, save_strategy="steps", save_steps=1)
     trainer.train()
     logs = update_logs(trainer)
-    assert len(logs) == 2 and trainer._vllm_engine.version == trainer.state.global_step == 2
+    # pushed before each rollout that needs newer weights: the last rollout's (update 1's), none after the last update
+    assert len(logs) == 2 and trainer._vllm_engine.version == trainer.state.global_step - 1 == 1
     for entry in logs:  # the engine sampled them, and its log-probs are the training forward's (float32)
         assert 0 <= entry["rollout/logprob_diff_mean"] < 1e-5 and entry["rollout/logprob_diff_max"] < 1e-4
     resumed = vllm_trainer(make_config, tokenizer, load_models, prompt_dataset)
@@ -142,6 +145,8 @@ def test_what_the_engine_cannot_run_with_yet_is_refused(make_config):
     # From the config alone, before any model loads (and whether or not vLLM is installed).
     with pytest.raises(ValueError, match="`max_staleness` samples in a process of its own"):
         validate_config(make_config(generation_backend="vllm", max_staleness=1, off_policy_correction="decoupled"))
+    with pytest.raises(ValueError, match="leave `agent_rollout` at 'continuous'"):
+        validate_config(make_config(generation_backend="vllm", agent_rollout="lockstep"))
 
 
 def test_the_engine_options_are_checked_before_any_model_loads(make_config):
@@ -154,3 +159,146 @@ def test_the_engine_options_are_checked_before_any_model_loads(make_config):
     if not HAS_VLLM:
         with pytest.raises(ValueError, match="needs vLLM, which is not installed here: pip install"):
             validate_config(make_config(generation_backend="vllm"))
+
+
+# ------------------------------------------------------------------------------------------ episodes on the engine
+def stop_likely_policy(vocab: int, stop: int, never_from: int):
+    """A tiny Llama vLLM's CPU attention takes (head size 32) whose turns are short: dimension 0 of every embedding
+    is 1, so it dominates the last hidden state after the norm, and the head reads it as a bias towards `stop`
+    (and against every id from `never_from` on: the episodes' names and the tool's answer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        policy.model.embed_tokens.weight[:, 0] = 1.0
+        policy.lm_head.weight[:, 0] = 0.0
+        policy.lm_head.weight[stop, 0], policy.lm_head.weight[never_from:, 0] = 0.25, -2.0
+    return policy
+
+
+@pytest.fixture(scope="module")
+def calling_engine():
+    from test_episode_engine import STOP, VOCAB
+
+    from trl_ppo.rollout.vllm_engine import VLLMEngine
+
+    policy = stop_likely_policy(VOCAB + 30, STOP, VOCAB)
+    engine = VLLMEngine(policy, seed=0, memory_utilization=0.3, kv_cache_gib=0.05, max_model_len=512)
+    engine.push(policy, 0)
+    return engine, policy
+
+
+def play_on(engine, played, seed=0, version=0):
+    from test_episode_engine import CALLS, STOP, CallingChat
+
+    from trl_ppo.rollout.engine import TurnLimits
+    from trl_ppo.rollout.vllm_episodes import play_on_engine
+
+    limits = TurnLimits(max_turns=CALLS + 1, budget=160, stop_token_id=STOP, temperature=1.0)
+    return play_on_engine(played, engine, CallingChat(), limits, torch.Generator().manual_seed(seed), version)
+
+
+@needs_vllm
+def test_episodes_on_the_engine_are_scored_the_same_by_a_forward_over_the_whole_episode(calling_engine):
+    """Each turn a request of the episode's exact ids: the engine's log-probs of the model's tokens are a plain
+    forward's over prompt, turns and tool answers (float32), and the tool answers' are 0."""
+    from test_episode_engine import Waits, episodes
+
+    engine, policy = calling_engine
+    played = play_on(engine, episodes(6, Waits({})))
+    assert sum(e.tool_calls for e in played) >= 12 and all(e.done for e in played)
+    for episode in played:
+        ids = torch.tensor([episode.query + episode.response])
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, len(episode.query) - 1 : -1].float()
+        forward = torch.log_softmax(logits, -1).gather(1, ids[0, len(episode.query) :, None])[:, 0]
+        mask, sampled = torch.tensor(episode.model_mask), torch.tensor(episode.sampler_logprobs)
+        assert len(sampled) == len(episode.response) and mask.any() and not mask.all()
+        assert (sampled[mask] - forward[mask]).abs().max() < 1e-4
+        assert (sampled[~mask] == 0).all()
+
+
+@needs_vllm
+def test_on_the_engine_a_slow_tool_holds_no_other_episode_and_the_tokens_do_not_depend_on_it(calling_engine):
+    from test_episode_engine import Waits, episodes
+
+    engine, _ = calling_engine
+    fast = play_on(engine, episodes(4, Waits({})), seed=3)
+    waits = Waits({0: 1.0})
+    slow = play_on(engine, episodes(4, waits), seed=3)
+    slow_start, slow_end = next((start, end) for episode, start, end in waits.calls if episode == 0)
+    later_calls = [start for i, (episode, start, _) in enumerate(waits.calls)
+                   if episode != 0 and any(e == episode for e, _, _ in waits.calls[:i])]  # fmt: skip
+    assert sum(slow_start < start < slow_end for start in later_calls) >= 2, waits.calls
+    assert [e.response for e in fast] == [e.response for e in slow]  # each episode's seeds are its own
+    with pytest.raises(RuntimeError, match="holds the weights of update 0, the rollout expects update 1"):
+        play_on(engine, episodes(2, Waits({})), version=1)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+@needs_vllm
+def test_an_error_in_a_tool_loop_leaves_no_request_in_the_engine(calling_engine):
+    from test_episode_engine import CallingChat, Waits, episodes
+
+    engine, _ = calling_engine
+
+    class Failing(CallingChat):
+        def parse_tool_calls(self, ids, prefix):
+            raise KeyboardInterrupt  # what an interrupt while the engine has requests in flight looks like
+
+    from trl_ppo.rollout.engine import TurnLimits
+    from trl_ppo.rollout.vllm_episodes import play_on_engine
+
+    limits = TurnLimits(max_turns=3, budget=64, stop_token_id=CallingChat.stop_token_id, temperature=1.0)
+    with pytest.raises(KeyboardInterrupt):
+        play_on_engine(episodes(4, Waits({})), engine, Failing(), limits, torch.Generator().manual_seed(0), 0)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+@needs_vllm
+@needs_tool_parsing
+def test_an_agent_run_with_tools_trains_on_the_engine(make_config):
+    """Tools and an environment, the tiny random policy sampled by the engine: the update sees the engine's
+    tokens, the `env/` metrics are logged and the engine's log-probs agree with the training forward's."""
+    from test_agent_training import agent_trainer
+
+    from trl_ppo.agents.tiny_chat import build_tool_tokenizer
+
+    tokenizer = build_tool_tokenizer()
+    config = tiny_config("qwen2", tokenizer)
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 64, 2, 1
+    config.max_position_embeddings = 2048
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(config)
+    varied = lambda completions, **kw: [len(set(c)) / 10 for c in completions]  # noqa: E731  (the texts differ)
+    trainer = agent_trainer(make_config, tokenizer, varied, policy=policy, response_length=64,
+                            generation_backend="vllm", vllm_kv_cache_gib=0.05)  # fmt: skip
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    logged = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry]
+    assert len(logged) == 2 and trainer._vllm_engine.version == 1  # pushed before each rollout: the last's weights
+    for entry in logged:
+        assert entry["rollout/logprob_diff_mean"] < 1e-5 and entry["rollout/logprob_diff_max"] < 1e-4
+    assert trainer.agents.episodes and all(e.sampler_logprobs for e in trainer.agents.episodes)
+
+
+@needs_vllm
+def test_the_engine_logprobs_stand_in_for_the_old_policy_where_the_run_asks(
+    make_config, tokenizer, load_models, prompt_dataset, monkeypatch
+):
+    """`use_sampler_logprobs` with a one-turn run on the engine: no policy forward after sampling, and the
+    engine's log-probs are the update's pi_old (nothing left to compare: no `rollout/logprob_diff_*`)."""
+    from trl_ppo.rollout import collect
+
+    calls = []
+    real = collect.sampler_logprobs_suffice
+    monkeypatch.setattr(collect, "sampler_logprobs_suffice", lambda *a: calls.append(real(*a)) or calls[-1])
+    trainer = vllm_trainer(make_config, tokenizer, load_models, prompt_dataset, use_sampler_logprobs=True,
+                           critic=False, advantage_estimator="rloo", num_generations=2)  # fmt: skip
+    trainer.train()
+    assert calls and all(calls)
+    assert not any("rollout/logprob_diff_mean" in entry for entry in trainer.state.log_history)

@@ -59,5 +59,11 @@ def check_vllm_options(args, fail) -> None:
             "`generation_backend='vllm'` samples in the trainer's process for now, and `max_staleness` samples in a "
             "process of its own: use one of them."
         )
+    if args.generation_backend == "vllm" and args.agent_rollout == "lockstep":
+        fail(
+            "`agent_rollout='lockstep'` samples the episodes with the trainer's own loop, and with "
+            "`generation_backend='vllm'` the engine plays them (as requests, batched continuously): leave "
+            "`agent_rollout` at 'continuous', or use generation_backend='kv_cache'."
+        )
     if args.generation_backend == "vllm" and importlib.util.find_spec("vllm") is None:
         fail(f"`generation_backend='vllm'` needs vLLM, which is not installed here: {INSTALL_HINT}.")

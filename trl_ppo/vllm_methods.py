@@ -1,6 +1,8 @@
 """The trainer's side of `generation_backend='vllm'` (mixed into `PPOTrainer`): the engine made on the first
-rollout, the policy's weights pushed to it after every update, the training rollouts sampled by it, and the
-sampler/trainer log-prob difference logged. The engine itself is `rollout/vllm_engine.py`."""
+rollout, the policy's weights pushed to it whenever it is to sample for an update its weights are not from (once
+per update: the training rollout, or an evaluation between an update's end and the next), the training rollouts
+and episodes sampled by it, and the sampler/trainer log-prob difference logged. The engine itself is
+`rollout/vllm_engine.py`; the episodes' loop on it `rollout/vllm_episodes.py`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from .rollout.agreement import agreement_metrics, agreement_sums
 from .rollout.vllm_engine import VLLMEngine
 
 
-def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int | None, peft: bool, agents) -> None:
+def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int | None, peft: bool) -> None:
     """What the 'vllm' backend cannot run with yet that the config alone does not tell (`check_vllm_options` refuses
     the rest), refused before any rollout."""
     if args.generation_backend != "vllm":
@@ -19,21 +21,18 @@ def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int
         why = "runs its engine in one process without DeepSpeed or FSDP for now"
     elif peft:
         why = "does not take PEFT (LoRA) policies yet: merge the adapter, or use generation_backend='kv_cache'"
-    elif agents is not None:
-        why = "samples one-turn rollouts for now; episodes with tools or environments run 'kv_cache'"
     if why:
         raise ValueError(f"`generation_backend='vllm'` {why}.")
 
 
 class EngineMethods:
-    """`_engine_sampling` for the training rollouts; `_publish_weights` and `_sampling_metrics` extend the
-    asynchronous ones."""
+    """`_engine_sampling` for the rollouts and episodes; `_sampling_metrics` extends the asynchronous one."""
 
     _vllm_engine: VLLMEngine | None = None
 
     def _engine_sampling(self) -> dict:
-        """`Sampling`'s `engine` and `version` for a training rollout ({} without the 'vllm' backend); the engine is
-        made, and given the policy's weights, on the first call (after any resume)."""
+        """`Sampling`'s `engine` and `version` for a rollout ({} without the 'vllm' backend); the engine is made on
+        the first call (after any resume), and given the policy's weights where it holds another update's."""
         if self.args.generation_backend != "vllm":
             return {}
         if self._vllm_engine is None:
@@ -43,19 +42,16 @@ class EngineMethods:
                 policy, args.seed, args.vllm_gpu_memory_utilization, kv_cache if kv_cache or cuda else 1.0,
                 args.vllm_max_model_len, enforce_eager=not cuda if eager is None else eager,
             )  # fmt: skip
-            self._vllm_engine.push(policy, self.state.global_step)
+        if self._vllm_engine.version != self.state.global_step:
+            self._vllm_engine.push(self._models().wrapper.lm, self.state.global_step)
         return {"engine": self._vllm_engine, "version": self.state.global_step}
 
-    def _publish_weights(self, update: int) -> None:
-        """After `update`: the engine (and the asynchronous sampler) samples with the new weights."""
-        super()._publish_weights(update)
-        if self._vllm_engine is not None:
-            self._vllm_engine.push(self._models().wrapper.lm, self.state.global_step)
-
     def _sampling_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """With the engine's log-probs of a one-turn rollout: `rollout/logprob_diff_*` too."""
+        """With the engine's log-probs of a one-turn rollout: `rollout/logprob_diff_*` too (episodes log theirs with
+        the `env/` metrics; nothing to compare where the engine's log-probs stood in, `use_sampler_logprobs`)."""
         metrics = super()._sampling_metrics(rollout)
-        if self._vllm_engine is not None and rollout.sampler_logprobs is not None:
+        one_turn = self.agents is None and not self.args.use_sampler_logprobs
+        if self._vllm_engine is not None and one_turn and rollout.sampler_logprobs is not None:
             sums = agreement_sums(rollout.sampler_logprobs, rollout.logprobs, rollout.response_mask)
             metrics |= agreement_metrics(sums[None])
         return metrics

@@ -26,6 +26,7 @@ from ..rollout.agreement import agreement_metrics, agreement_sums
 from ..rollout.collect import policy_sampling
 from ..rollout.engine import CacheNotPlain, TurnLimits, play_episodes
 from ..rollout.turn_loop import Episode, TurnSampler, episodes_rollout, run_turns
+from ..rollout.vllm_episodes import play_on_engine
 from .chat import ToolChat
 from .environments import Environments, close_environments, environment_reward, make_environment
 from .tools import schemas, tool_list, toolbox
@@ -57,10 +58,13 @@ def check_agent_config(args, tools, environment_factory, has_tools: bool | None 
             f"`max_turns` is {args.max_turns} but there are no `tools` and no `environment_factory`: a turn after the "
             "first needs a tool answer. Pass `tools=` or `environment_factory=` to the trainer, or set `max_turns=1`."
         )
-    if not agentic and getattr(args, "use_sampler_logprobs", False):
+    engine = getattr(args, "generation_backend", None) == "vllm"  # records its log-probs of one-turn rollouts too
+    if not agentic and not engine and getattr(args, "use_sampler_logprobs", False):
         raise ValueError(
-            "`use_sampler_logprobs=True` takes the log-probs that the agents' episode engine records while it samples, "
-            "and there are no `tools` and no `environment_factory`: one-turn sampling records none. Leave it False."
+            "`use_sampler_logprobs=True` takes the log-probs that the agents' episode engine (or the vLLM engine) "
+            "records while it samples, and there are no `tools` and no `environment_factory`: one-turn sampling "
+            f"records none with `generation_backend={getattr(args, 'generation_backend', None)!r}`. Leave it False, "
+            "or sample with generation_backend='vllm'."
         )
     if not has_tools and args.max_turns > 1:
         raise ValueError(
@@ -157,6 +161,20 @@ class AgentRunner:
         device, context = models.accelerator.device, context_length(models.wrapper.lm)
         start = functools.partial(self.start_episodes, batch, args, context)  # a failure stops every process
         episodes = dist.checked_on_every_process(start, device, "environments", (Exception,), "failed", UserCallError)
+        self._play(episodes, models, sampling, args)
+        batch["environments"] = [episode.environment for episode in episodes]
+        self.episodes = episodes
+        rollout = episodes_rollout(episodes, sampling.pad_token_id, args.response_length, device)
+        return add_logprobs_and_values(rollout, models, args, behaviour_only=behaviour_only)
+
+    def _play(self, episodes: list[Episode], models, sampling: Sampling, args) -> None:
+        """Play the episodes to their end: on the vLLM engine (`sampling.engine`), else with continuous batching
+        on the policy, else (asked for, or where sampling is a collective or the cache is not plain) in lockstep."""
+        if sampling.engine is not None:
+            play_on_engine(episodes, sampling.engine, self.chat, turn_limits(args, sampling), sampling.generator,
+                           sampling.version)  # fmt: skip
+            return
+        device = models.accelerator.device
         sync = dist.weights_are_sharded(models.accelerator) and models.accelerator.num_processes > 1
         lockstep = sync or self._lockstep or args.agent_rollout == "lockstep"
         if not lockstep:
@@ -178,16 +196,10 @@ class AgentRunner:
                 any_process=(lambda flag: not dist.all_processes(not flag, device)) if sync else None,
                 idle_context=[sampling.pad_token_id],
             )
-        batch["environments"] = [episode.environment for episode in episodes]
-        self.episodes = episodes
-        rollout = episodes_rollout(episodes, sampling.pad_token_id, args.response_length, device)
-        return add_logprobs_and_values(rollout, models, args, behaviour_only=behaviour_only)
 
     def _play_continuous(self, episodes: list[Episode], models, sampling: Sampling, args) -> None:
         """Play the episodes with continuous batching over their turns (`rollout.engine`)."""
-        limits = TurnLimits(args.max_turns, args.response_length, sampling.stop_token_id, sampling.temperature,
-                            args.max_tool_response_length, args.tool_timeout)  # fmt: skip
-        wrapper = models.wrapper
+        limits, wrapper = turn_limits(args, sampling), models.wrapper
         forward = lambda **inputs: root_call(wrapper, lambda module: module.lm(**inputs))  # noqa: E731
         with torch.no_grad(), policy_sampling(models, sampling):
             play_episodes(episodes, forward, models.accelerator.device, cache_keyword(wrapper.lm), self.chat, limits,
@@ -270,6 +282,12 @@ def environment_rewards(
     if environments is None:
         return [None] * len(completions)
     return [environment_reward(environment, deadlines) for environment in environments]
+
+
+def turn_limits(args, sampling: Sampling) -> TurnLimits:
+    """How long the run's episodes may go, and what their turns stop at."""
+    return TurnLimits(args.max_turns, args.response_length, sampling.stop_token_id, sampling.temperature,
+                      args.max_tool_response_length, args.tool_timeout)  # fmt: skip
 
 
 def turn_sampler(models, sampling: Sampling) -> TurnSampler:

@@ -55,8 +55,10 @@ class TurnLimits:
 
 
 @dataclass
-class _Row:
-    """An episode inside the engine: what its cache holds, what it still has to prefill, the turn being written."""
+class EpisodeRow:
+    """An episode being played: the turn being written, its tool calls, and (for this module's engine) what its
+    cache holds and what it still has to prefill. The vLLM engine's episodes (`vllm_episodes.py`) use the same
+    record and the same turn ends (`end_turn`, `answered_rows`); vLLM keeps their caches."""
 
     episode: Episode
     generator: torch.Generator
@@ -80,18 +82,19 @@ def play_episodes(
     `forward(**inputs)` runs the policy LM on `device` (no gradients) and returns its output: `logits` and the
     cache under `cache_keyword`. The episodes' generators are seeded from `generator` (None: the process-wide one)."""
     seeds = torch.randint(2**62, (len(episodes),), generator=generator).tolist()  # runs repeat with the seed
-    joining = [_Row(e, torch.Generator(device).manual_seed(s), pending=list(e.query)) for e, s in zip(episodes, seeds)]
+    joining = [EpisodeRow(e, torch.Generator(device).manual_seed(s), pending=list(e.query))
+               for e, s in zip(episodes, seeds)]
     batch, waiting = _DecodingBatch(forward, device, cache_keyword, limits.temperature), []
     while joining or batch.rows or waiting:
         for row in joining:
             batch.add(row, batch.prefill(row))
         if batch.rows:
-            waiting += [row for row in batch.decode_step(limits) if _end_turn(row, chat, limits)]
-        joining, waiting = _answered(waiting, chat, limits, block=not batch.rows)
+            waiting += [row for row in batch.decode_step(limits) if end_turn(row, chat, limits)]
+        joining, waiting = answered_rows(waiting, chat, limits, block=not batch.rows)
     return episodes
 
 
-def _end_turn(row: _Row, chat: ToolChat, limits: TurnLimits) -> bool:
+def end_turn(row: EpisodeRow, chat: ToolChat, limits: TurnLimits) -> bool:
     """Append the finished turn to its episode and start its tool calls -> whether the episode waits for them."""
     episode = row.episode
     calls = add_model_turn(episode, row.turn, chat, limits.budget)
@@ -106,7 +109,9 @@ def _end_turn(row: _Row, chat: ToolChat, limits: TurnLimits) -> bool:
     return True
 
 
-def _answered(waiting: list[_Row], chat: ToolChat, limits: TurnLimits, block: bool) -> tuple[list[_Row], list[_Row]]:
+def answered_rows(
+    waiting: list[EpisodeRow], chat: ToolChat, limits: TurnLimits, block: bool
+) -> tuple[list[EpisodeRow], list[EpisodeRow]]:
     """The episodes whose calls have answered, their answers appended (ready to join unless that ended them), and
     those still waiting. With `block` (nothing is decoding), wait for the first answer."""
     if block and waiting and not any(row.calls.done() for row in waiting):
@@ -138,12 +143,12 @@ class _DecodingBatch:
 
     def __init__(self, forward: Callable, device: torch.device, cache_keyword: str, temperature: float) -> None:
         self.forward, self.device, self.keyword, self.temperature = forward, device, cache_keyword, temperature
-        self.rows: list[_Row] = []
+        self.rows: list[EpisodeRow] = []
         self.layers: Layers | None = None
         self.lengths: list[int] = []
         self.logits: torch.Tensor | None = None  # [B, V]
 
-    def prefill(self, row: _Row) -> torch.Tensor:
+    def prefill(self, row: EpisodeRow) -> torch.Tensor:
         """Run the row's pending tokens through the model against its own cache -> the next token's logits `[V]`."""
         ids = torch.tensor([row.pending], dtype=torch.long, device=self.device)
         # No cache given at the first prefill: the model makes its own, of the layer kinds it needs (checked below).
@@ -157,7 +162,7 @@ class _DecodingBatch:
         row.cache, row.cached, row.pending = _plain_layers(returned_cache(output)), row.cached + ids.size(1), []
         return output.logits[0, -1]
 
-    def add(self, row: _Row, logits: torch.Tensor) -> None:
+    def add(self, row: EpisodeRow, logits: torch.Tensor) -> None:
         """Join `row` (its cache `[1, H, n, D]` per layer) to the batch, left-padding the shorter side."""
         new_width = max(self.lengths + [row.cached])
         joined = []
@@ -174,7 +179,7 @@ class _DecodingBatch:
         self.lengths.append(row.cached)
         self.logits = logits[None] if self.logits is None else torch.cat([self.logits, logits[None]])
 
-    def decode_step(self, limits: TurnLimits) -> list[_Row]:
+    def decode_step(self, limits: TurnLimits) -> list[EpisodeRow]:
         """Draw one token for every row; rows whose turn ended (stop token, or no room left) leave the batch with
         their caches -> those rows. The others' tokens go through the model."""
         log_probs = torch.log_softmax(self.logits.float() / self.temperature, dim=-1)
@@ -191,7 +196,7 @@ class _DecodingBatch:
             self._feed(tokens[kept])
         return finished
 
-    def _remove(self, indices: list[int]) -> list[_Row]:
+    def _remove(self, indices: list[int]) -> list[EpisodeRow]:
         """Take the rows at `indices` out, each with its own cache cut from the batch's."""
         if not indices:
             return []

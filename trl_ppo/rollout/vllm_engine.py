@@ -82,6 +82,24 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.version = version
 
+    def check_version(self, version: int | None) -> None:
+        """Refuse to sample for a caller that expects the weights of update `version` (None: any) and would get
+        others."""
+        if version is not None and version != self.version:
+            raise RuntimeError(
+                f"The vLLM engine holds the weights of update {self.version}, the rollout expects update {version}: "
+                "the policy's weights were not pushed to the engine after the last update."
+            )
+
+    @staticmethod
+    def params(max_tokens: int, temperature: float, stop_token_id: int | None, seed: int):
+        """One request's `SamplingParams`: plain sampling at `temperature` (no top-k/top-p), its own `seed`, the
+        sampled token's log-prob, ids only, stopping at `stop_token_id` alone (not at the model's EOS list)."""
+        return import_vllm().SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_k=0, top_p=1.0, seed=seed, logprobs=0,
+            stop_token_ids=[] if stop_token_id is None else [stop_token_id], ignore_eos=True, detokenize=False,
+        )  # fmt: skip
+
     @torch.no_grad()
     def sample(
         self,
@@ -99,32 +117,25 @@ class VLLMEngine:
         Returns the responses `[B, response_length]` (ids; `pad_token_id` after the stop token) and the sampled
         tokens' log-probs `[B, response_length]` float32 (0 after the stop token). `version`: the weights the
         caller expects (refused when the engine holds others)."""
-        if version is not None and version != self.version:
-            raise RuntimeError(
-                f"The vLLM engine holds the weights of update {self.version}, the rollout expects update {version}: "
-                "the policy's weights were not pushed to the engine after the last update."
-            )
-        vllm = import_vllm()
+        self.check_version(version)
         seeds = torch.randint(0, 2**31 - 1, (queries.size(0),), generator=generator).tolist()
         prompts = [{"prompt_token_ids": row[mask].tolist()} for row, mask in zip(queries.cpu(), query_mask.cpu())]
-        stop = [] if stop_token_id is None else [stop_token_id]
-        params = [
-            vllm.SamplingParams(
-                max_tokens=response_length, temperature=temperature, top_k=0, top_p=1.0, seed=seed, logprobs=0,
-                stop_token_ids=stop, ignore_eos=True, detokenize=False,
-            )  # fmt: skip
-            for seed in seeds
-        ]
+        params = [self.params(response_length, temperature, stop_token_id, seed) for seed in seeds]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         responses = torch.full((len(outputs), response_length), pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(len(outputs), response_length)
         for row, output in enumerate(outputs):
-            sampled = output.outputs[0]
-            ids = list(sampled.token_ids)
+            ids, chosen = sampled_tokens(output)
             responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            chosen = [step[token].logprob for step, token in zip(sampled.logprobs, ids)]  # logprobs=0: the sampled one
             logprobs[row, : len(ids)] = torch.tensor(chosen)
         return responses.to(queries.device), logprobs.to(queries.device)
+
+
+def sampled_tokens(output) -> tuple[list[int], list[float]]:
+    """A finished request's sampled ids and each one's log-prob (`logprobs=0`: the sampled token's only)."""
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    return ids, [step[token].logprob for step, token in zip(completion.logprobs, ids)]
 
 
 def checkpoint_weights(policy: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
