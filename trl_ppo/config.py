@@ -89,9 +89,10 @@ class OnPolicyConfig(TrainingArguments):
             "CUDA graphs (on CUDA; the first rollouts pay the compilation). 'compiled_loop' (experimental): the same "
             "static cache and compiled step driven by trl_ppo's own loop instead of `generate`. 'generate': "
             "`generate` with its defaults. 'auto': 'compiled' on a CUDA device without DeepSpeed ZeRO-3 or PEFT, "
-            "else 'kv_cache'. 'vllm': a vLLM engine in the trainer's process samples the training rollouts (the "
-            "`vllm` extra; the policy's weights pushed to it after every update; the `vllm_*` fields), the other "
-            "sampling (completion tables, `generate`) runs 'kv_cache'. All sample from softmax(logits / temperature)."
+            "else 'kv_cache'. 'vllm': a vLLM engine in the trainer's process samples the training rollouts and the "
+            "episodes of tools and environments (the `vllm` extra; the policy's weights pushed to it once per update; "
+            "the `vllm_*` fields); one-turn completion tables and `generate` run 'kv_cache'. All sample from "
+            "softmax(logits / temperature)."
         },
     )
     num_sample_generations: int = field(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 
@@ -39,7 +40,7 @@ OUT = os.path.join(HERE, "smollm2_tool.jsonl")
 KEY_FIELDS = ("estimator", "seed", "learning_rate", "updates", "batch_size", "num_generations", "ppo_epochs",
               "lr_scheduler_type", "kl_coef", "missing_eos_penalty", "max_grad_norm", "skip_zero_gradient_steps",
               "warm_start_settings", "max_staleness", "off_policy_correction", "critic_learning_rate",
-              "agent_rollout", "tis_cap", "num_mini_batches")
+              "agent_rollout", "tis_cap", "num_mini_batches", "generation_backend")
 # Each trainer's own default: `Trainer`'s 1.0 for TRL's GRPO, none (0) for trl_ppo's (PPOv2 clips nothing).
 DEFAULT_MAX_GRAD_NORM = {"trl_grpo": 1.0}
 # What TRL logs of the reward at each step (its name: the function's).
@@ -84,6 +85,10 @@ def parse_args(argv=None):
             changed.append(f"-{tag}{getattr(args, name):g}")
     if args.critic_learning_rate is not None:
         changed.append(f"-clr{args.critic_learning_rate:g}")
+    if args.generation_backend is not None:
+        if args.estimator == "trl_grpo":
+            parser.error("--generation_backend: not an option of this comparison with TRL's GRPOTrainer")
+        changed.append(f"-{args.generation_backend}")
     if args.estimator == "trl_grpo":
         if args.agent_rollout != "continuous":
             parser.error("--agent_rollout: TRL's GRPOTrainer plays its episodes its own way")
@@ -112,11 +117,31 @@ def train_trl_ppo(args, tokenizer):
     explained variance and, where logged, the sampler/trainer log-prob difference and the off-policy weights)."""
     policy = agent.load_policy(args.warm_start)
     trainer = agent.trainer_for(args, policy, tokenizer)
+    sampling = time_sampling(trainer.agents) if not args.max_staleness else {}  # (a sampler process: not here)
     trainer.train(resume_from_checkpoint=True if last_checkpoint(args.output_dir) else None)
     updates = [h for h in trainer.state.log_history if SUCCESS in h]
     curves = {"explained_variance": explained_variance_curves(updates),
               **logged_curves(updates, "rollout/logprob_diff_"), **logged_curves(updates, "offpolicy/")}
-    return policy, [round(float(h[SUCCESS]), 4) for h in updates], curves
+    return policy, [round(float(h[SUCCESS]), 4) for h in updates], curves | {"sampling": sampling}
+
+
+def time_sampling(runner) -> dict:
+    """The CPU and wall seconds of playing the training episodes (the sampler's part of each rollout: the turns and
+    the tool calls, not the forwards that follow) and the model tokens sampled, summed over the run as it goes:
+    the row's `sampling`. Wraps the runner's `_play` (this process's threads, the in-process vLLM engine's too)."""
+    totals = {"cpu_seconds": 0.0, "wall_seconds": 0.0, "model_tokens": 0, "episodes": 0}
+    play = runner._play
+
+    def timed(episodes, *rest):
+        cpu, wall = time.process_time(), time.perf_counter()
+        play(episodes, *rest)
+        totals["cpu_seconds"] = round(totals["cpu_seconds"] + time.process_time() - cpu, 2)
+        totals["wall_seconds"] = round(totals["wall_seconds"] + time.perf_counter() - wall, 2)
+        totals["model_tokens"] += sum(sum(episode.model_mask) for episode in episodes)
+        totals["episodes"] += len(episodes)
+
+    runner._play = timed
+    return totals
 
 
 def explained_variance_curves(history: list[dict]) -> dict[str, list[float | None]]:
@@ -212,6 +237,7 @@ def run(args, tokenizer) -> dict:
     train_cpu = time.process_time() - cpu + children_cpu_seconds() - children
     train_wall = time.perf_counter() - wall
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 3) if args.device == "cuda" else None
+    peak_rss = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # KiB on Linux; of the process
     after = summary(agent.evaluate(model, tokenizer, held_out, args))
     return {
         "estimator": args.estimator, "seed": args.seed, "learning_rate": args.learning_rate, "updates": args.updates,
@@ -224,9 +250,11 @@ def run(args, tokenizer) -> dict:
         "train_cpu_seconds": round(train_cpu, 1), "train_wall_seconds": round(train_wall, 1),
         "episodes_per_wall_second": round(args.updates * args.batch_size / train_wall, 4),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "peak_cuda_gib": peak,
+        "peak_rss_gib": peak_rss,
         "max_staleness": args.max_staleness,
         "off_policy_correction": args.off_policy_correction, "critic_learning_rate": args.critic_learning_rate,
         "agent_rollout": args.agent_rollout, "tis_cap": args.tis_cap, "num_mini_batches": args.num_mini_batches,
+        "generation_backend": args.generation_backend,
         "resumed": resumed,
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
     }

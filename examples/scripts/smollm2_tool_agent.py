@@ -53,6 +53,8 @@ def config(args):
     critic = args.estimator == "gae"
     mini_batches = args.num_mini_batches or 1
     capped = {} if args.tis_cap is None else {"tis_cap": args.tis_cap}
+    if args.generation_backend is not None:
+        capped["generation_backend"] = args.generation_backend
     return PPOConfig(
         # The update in passes of `--micro_batch` episodes: the same update (the loss is normalised over the whole
         # batch), a quarter of the activations of one pass of 8 (7.5 of the demo's 10 GB were those).
@@ -195,6 +197,9 @@ def build_parser(description: str = __doc__, estimators=ESTIMATORS) -> argparse.
     parser.add_argument("--agent_rollout", choices=("continuous", "lockstep"), default="continuous",
                         help="how the episodes are played: the episode engine, or every turn in lockstep (the loop "
                         "before it, kept for comparison)")
+    parser.add_argument("--generation_backend", choices=("kv_cache", "vllm"), default=None,
+                        help="what samples the training episodes (default: the trainer's, the episode engine on the "
+                        "policy); 'vllm' needs vLLM (pip install 'trl_ppo[vllm]')")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where to train and evaluate: 'cuda' trains in bf16 (the warm start is made on the CPU)")
