@@ -87,6 +87,7 @@ test-vllm:
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(VLLM_TRANSFORMERS)"
 	$(VLLM_VENV)/bin/python -m pytest -q -n 0 tests/test_vllm_backend.py $(ARGS)
+	$(VLLM_VENV)/bin/python -m pytest -q -n 0 tests/test_vllm_asynchronous.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) $(VLLM_VENV) trl_ppo_default_run runs/smollm2_sentiment runs/smollm2_tool_agent runs/agent_calculator site

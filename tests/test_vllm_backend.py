@@ -141,10 +141,19 @@ def test_ppo_trains_on_the_engine_and_resumes_exactly(make_config, tokenizer, lo
         assert again[name] == pytest.approx(logs[-1][name], abs=1e-6), name
 
 
+@needs_vllm
+def test_an_asynchronous_run_after_an_engine_in_this_process_is_refused_at_construction(
+    engine_and_policy, make_config, tokenizer, load_models, prompt_dataset
+):
+    """Its sampler, forked from this process, could not make an engine of its own (vLLM's inherited process group
+    hangs it): refused before any compute. The asynchronous runs on the engine: tests/test_vllm_asynchronous.py."""
+    with pytest.raises(ValueError, match="Start the asynchronous run in a fresh process"):
+        vllm_trainer(make_config, tokenizer, load_models, prompt_dataset, max_staleness=1,
+                     off_policy_correction="decoupled")  # fmt: skip
+
+
 def test_what_the_engine_cannot_run_with_yet_is_refused(make_config):
     # From the config alone, before any model loads (and whether or not vLLM is installed).
-    with pytest.raises(ValueError, match="`max_staleness` samples in a process of its own"):
-        validate_config(make_config(generation_backend="vllm", max_staleness=1, off_policy_correction="decoupled"))
     with pytest.raises(ValueError, match="leave `agent_rollout` at 'continuous'"):
         validate_config(make_config(generation_backend="vllm", agent_rollout="lockstep"))
 
@@ -258,11 +267,9 @@ def test_an_error_in_a_tool_loop_leaves_no_request_in_the_engine(calling_engine)
     assert not engine.llm.llm_engine.has_unfinished_requests()
 
 
-@needs_vllm
-@needs_tool_parsing
-def test_an_agent_run_with_tools_trains_on_the_engine(make_config):
-    """Tools and an environment, the tiny random policy sampled by the engine: the update sees the engine's
-    tokens, the `env/` metrics are logged and the engine's log-probs agree with the training forward's."""
+def agent_engine_trainer(make_config, **overrides):
+    """A run with tools and an environment (`test_agent_training.agent_trainer`) whose tiny random policy vLLM's
+    CPU attention takes (head size 32), sampled by the engine; a reward that tells the texts apart."""
     from test_agent_training import agent_trainer
 
     from trl_ppo.agents.tiny_chat import build_tool_tokenizer
@@ -273,17 +280,32 @@ def test_an_agent_run_with_tools_trains_on_the_engine(make_config):
     config.max_position_embeddings = 2048
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config)
-    varied = lambda completions, **kw: [len(set(c)) / 10 for c in completions]  # noqa: E731  (the texts differ)
-    trainer = agent_trainer(make_config, tokenizer, varied, policy=policy, response_length=64,
-                            generation_backend="vllm", vllm_kv_cache_gib=0.05)  # fmt: skip
+    varied = lambda completions, **kw: [len(set(c)) / 10 for c in completions]  # noqa: E731
+    return agent_trainer(make_config, tokenizer, varied, policy=policy, response_length=64,
+                         generation_backend="vllm", vllm_kv_cache_gib=0.05, **overrides)  # fmt: skip
+
+
+def trained_agent_logs(trainer) -> list[dict]:
+    """Train; check that the weights moved and the episodes carry the engine's log-probs -> the updates' logs."""
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     assert any(not torch.equal(p, before[name]) for name, p in trainer.model.named_parameters())
+    assert trainer.agents.episodes and all(e.sampler_logprobs for e in trainer.agents.episodes)
     logged = [entry for entry in trainer.state.log_history if "env/turns_mean" in entry]
-    assert len(logged) == 2 and trainer._vllm_engine.version == 1  # pushed before each rollout: the last's weights
+    assert len(logged) == 2 and logged[0]["rollout/logprob_diff_mean"] < 1e-5
+    return logged
+
+
+@needs_vllm
+@needs_tool_parsing
+def test_an_agent_run_with_tools_trains_on_the_engine(make_config):
+    """Tools and an environment, the tiny random policy sampled by the engine: the update sees the engine's
+    tokens, the `env/` metrics are logged and the engine's log-probs agree with the training forward's."""
+    trainer = agent_engine_trainer(make_config)
+    logged = trained_agent_logs(trainer)
+    assert trainer._vllm_engine.version == 1  # pushed before each rollout: the last rollout's weights
     for entry in logged:
         assert entry["rollout/logprob_diff_mean"] < 1e-5 and entry["rollout/logprob_diff_max"] < 1e-4
-    assert trainer.agents.episodes and all(e.sampler_logprobs for e in trainer.agents.episodes)
 
 
 @needs_vllm

@@ -45,6 +45,7 @@ class AsyncMethods:
 
     _async_sampler: AsyncSampler | None = None
     _restored_sampler: dict | None = None
+    _policy_version: int | None = None  # the sampler process's: the version its policy copy holds
 
     def _start_sampler(self, batches) -> None:
         """With `max_staleness` >= 1, fork the sampler process and send it the first batches."""
@@ -52,7 +53,7 @@ class AsyncMethods:
             return
         generator = self._sampler_generator()
         scorers = self._sampler_scorers() if generator is not None else 0
-        work = SamplerWork(self._sample_ahead, self._score_ahead, scorers, generator)
+        work = SamplerWork(self._sample_ahead, self._score_ahead, scorers, generator, self._sampler_loaded)
         self._async_sampler = AsyncSampler(
             work, self._models().wrapper.lm, self.args.max_staleness, batches,
             self.state.global_step, self.args.num_total_batches, self._restored_sampler,
@@ -63,6 +64,10 @@ class AsyncMethods:
         if self._async_sampler is not None:
             self._async_sampler.close()
             self._async_sampler = None
+
+    def _sampler_loaded(self, version: int) -> None:
+        """In the sampler process: its policy now holds the weights of `version` (what its engine samples with)."""
+        self._policy_version = version
 
     def _sample_and_score(self, batches, update: int) -> tuple[Rollout, dict]:
         """The episodes of `update`, scored -> (rollout with `logprobs`, `ref_logprobs`, `values` and `scores`,

@@ -29,8 +29,8 @@ class AsyncConfig:
             "(its log-probs recomputed at training time); this names each token's weight: 'decoupled' (AReaL: "
             "pi_prox / pi_behav), 'tis' (that weight capped at `tis_cap`), 'mis' (that weight where it is at most "
             "`tis_cap`, 0 above: AReaL's behaviour-weight cap) or 'none' (1: the staleness ignored, the ablation). "
-            "At `max_staleness=0` it corrects the sampler/trainer mismatch where the agents' engine "
-            "records it."
+            "At `max_staleness=0` it corrects the sampler/trainer mismatch where the sampler records its "
+            "log-probs (the agents' episode engine, `generation_backend='vllm'`)."
         },
     )
     tis_cap: float = field(

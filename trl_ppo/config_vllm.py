@@ -54,11 +54,6 @@ def check_vllm_options(args, fail) -> None:
         fail(f"`vllm_kv_cache_gib` must be > 0 (None: the default), got {args.vllm_kv_cache_gib}.")
     if args.vllm_max_model_len is not None and args.vllm_max_model_len < 1:
         fail(f"`vllm_max_model_len` must be at least 1 (None: the model's), got {args.vllm_max_model_len}.")
-    if args.generation_backend == "vllm" and args.max_staleness:
-        fail(
-            "`generation_backend='vllm'` samples in the trainer's process for now, and `max_staleness` samples in a "
-            "process of its own: use one of them."
-        )
     if args.generation_backend == "vllm" and args.agent_rollout == "lockstep":
         fail(
             "`agent_rollout='lockstep'` samples the episodes with the trainer's own loop, and with "

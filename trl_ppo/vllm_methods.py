@@ -6,9 +6,11 @@ and episodes sampled by it, and the sampler/trainer log-prob difference logged. 
 
 from __future__ import annotations
 
+import os
+
 from .rollout import Rollout
 from .rollout.agreement import agreement_metrics, agreement_sums
-from .rollout.vllm_engine import VLLMEngine
+from .rollout.vllm_engine import VLLMEngine, made_in_this_process
 
 
 def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int | None, peft: bool) -> None:
@@ -21,6 +23,10 @@ def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int
         why = "runs its engine in one process without DeepSpeed or FSDP for now"
     elif peft:
         why = "does not take PEFT (LoRA) policies yet: merge the adapter, or use generation_backend='kv_cache'"
+    elif args.max_staleness and made_in_this_process():
+        why = (f"with `max_staleness={args.max_staleness}` makes its engine in the sampler process, forked from this "
+               "one, and this process has made a vLLM engine already (an earlier run's): vLLM's state does not "
+               "survive a fork. Start the asynchronous run in a fresh process")
     if why:
         raise ValueError(f"`generation_backend='vllm'` {why}.")
 
@@ -29,28 +35,33 @@ class EngineMethods:
     """`_engine_sampling` for the rollouts and episodes; `_sampling_metrics` extends the asynchronous one."""
 
     _vllm_engine: VLLMEngine | None = None
+    _vllm_engine_pid: int | None = None  # the process that made it: a forked sampler makes its own
 
     def _engine_sampling(self) -> dict:
         """`Sampling`'s `engine` and `version` for a rollout ({} without the 'vllm' backend); the engine is made on
-        the first call (after any resume), and given the policy's weights where it holds another update's."""
+        this process's first call (after any resume; in the sampler process of `max_staleness`, there), and given
+        the policy's weights where it holds another version's: the trainer's update, or the sampler's copy's."""
         if self.args.generation_backend != "vllm":
             return {}
-        if self._vllm_engine is None:
+        version = self.state.global_step if self._policy_version is None else self._policy_version
+        if self._vllm_engine is None or self._vllm_engine_pid != os.getpid():
             args, policy, cuda = self.args, self._models().wrapper.lm, self.accelerator.device.type == "cuda"
             eager, kv_cache = args.vllm_enforce_eager, args.vllm_kv_cache_gib
             self._vllm_engine = VLLMEngine(
                 policy, args.seed, args.vllm_gpu_memory_utilization, kv_cache if kv_cache or cuda else 1.0,
                 args.vllm_max_model_len, enforce_eager=not cuda if eager is None else eager,
             )  # fmt: skip
-        if self._vllm_engine.version != self.state.global_step:
-            self._vllm_engine.push(self._models().wrapper.lm, self.state.global_step)
-        return {"engine": self._vllm_engine, "version": self.state.global_step}
+            self._vllm_engine_pid = os.getpid()
+        if self._vllm_engine.version != version:
+            self._vllm_engine.push(self._models().wrapper.lm, version)
+        return {"engine": self._vllm_engine, "version": version}
 
     def _sampling_metrics(self, rollout: Rollout) -> dict[str, float]:
         """With the engine's log-probs of a one-turn rollout: `rollout/logprob_diff_*` too (episodes log theirs with
-        the `env/` metrics; nothing to compare where the engine's log-probs stood in, `use_sampler_logprobs`)."""
+        the `env/` metrics, asynchronous runs theirs, behaviour against proximal; nothing to compare where the
+        engine's log-probs stood in, `use_sampler_logprobs`)."""
         metrics = super()._sampling_metrics(rollout)
-        one_turn = self.agents is None and not self.args.use_sampler_logprobs
+        one_turn = self.agents is None and not self.args.use_sampler_logprobs and self._async_sampler is None
         if self._vllm_engine is not None and one_turn and rollout.sampler_logprobs is not None:
             sums = agreement_sums(rollout.sampler_logprobs, rollout.logprobs, rollout.response_mask)
             metrics |= agreement_metrics(sums[None])

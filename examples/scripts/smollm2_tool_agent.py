@@ -59,7 +59,8 @@ def config(args):
         # The update in passes of `--micro_batch` episodes: the same update (the loss is normalised over the whole
         # batch), a quarter of the activations of one pass of 8 (7.5 of the demo's 10 GB were those).
         output_dir=args.output_dir, per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=args.batch_size // (args.micro_batch * mini_batches),
+        # The batch is per_device x accumulation (trl_ppo's `batch_size`), which `num_mini_batches` then splits.
+        gradient_accumulation_steps=args.batch_size // args.micro_batch,
         total_episodes=args.batch_size * args.updates, num_ppo_epochs=args.ppo_epochs,
         num_mini_batches=mini_batches,
         learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type, temperature=1.0,

@@ -134,6 +134,9 @@ class SamplerWork:
     score: Callable
     scorers: int = 1
     generator: torch.Generator | None = None
+    # called in the sampler process with the version its policy holds after each load of the shared weights (the
+    # vLLM backend pushes them to the sampler's engine); None: nothing to do
+    loaded: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         if self.generator is None and self.scorers:
@@ -210,6 +213,8 @@ def _sampled_batches(work: SamplerWork, policy: nn.Module, weights: SharedWeight
                 loaded = weights.load_into(policy)
                 if loaded != version:
                     raise RuntimeError(f"batch {index} is to be sampled by version {version}, shared: {loaded}")
+                if work.loaded is not None:
+                    work.loaded(loaded)
             taken.value = index
             rollout = work.sample(index, batch, generator)
             yield index, version, batch, rollout, None if generator is None else generator.get_state()

