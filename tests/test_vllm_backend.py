@@ -152,6 +152,33 @@ def test_an_asynchronous_run_after_an_engine_in_this_process_is_refused_at_const
                      off_policy_correction="decoupled")  # fmt: skip
 
 
+@needs_vllm
+def test_a_lora_policy_is_pushed_merged_and_sampled_as_the_update_trains_it(
+    make_config, tokenizer, load_models, prompt_dataset
+):
+    """LoRA's B starts at 0: the first push is the base model; after an update at a large rate the adapters have
+    moved, and the engine's log-probs still agree with the training forward (adapter on) to float rounding: the
+    push merged W + BA. The policy's own weights are untouched by the pushes (only the adapters train)."""
+    from peft import LoraConfig
+
+    _, value_model, reward_model = load_models()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    config = make_config(generation_backend="vllm", vllm_kv_cache_gib=0.05, response_length=8, total_episodes=24,
+                         learning_rate=3e-2)  # fmt: skip
+    trainer = PPOTrainer(
+        args=config, processing_class=tokenizer, model=engine_sized_policy(tokenizer), ref_model=None,
+        reward_model=reward_model, value_model=value_model, train_dataset=prompt_dataset, peft_config=lora,
+    )  # fmt: skip
+    policy = trainer.accelerator.unwrap_model(trainer.model).policy
+    base = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" not in k}
+    trainer.train()
+    logs = update_logs(trainer)
+    assert len(logs) == 3 and logs[-1]["objective/kl"] != 0  # the adapters moved the policy off the reference
+    for entry in logs:
+        assert entry["rollout/logprob_diff_mean"] < 1e-5 and entry["rollout/logprob_diff_max"] < 1e-4
+    assert all(torch.equal(v, base[k]) for k, v in policy.state_dict().items() if "lora_" not in k)
+
+
 def test_what_the_engine_cannot_run_with_yet_is_refused(make_config):
     # From the config alone, before any model loads (and whether or not vLLM is installed).
     with pytest.raises(ValueError, match="leave `agent_rollout` at 'continuous'"):
@@ -324,3 +351,17 @@ def test_the_engine_logprobs_stand_in_for_the_old_policy_where_the_run_asks(
     trainer.train()
     assert calls and all(calls)
     assert not any("rollout/logprob_diff_mean" in entry for entry in trainer.state.log_history)
+
+
+def test_adapters_the_engine_cannot_merge_are_named(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    from trl_ppo.rollout.vllm_weights import adapter_refusal
+
+    assert adapter_refusal(engine_sized_policy(tokenizer)) is None
+    plain = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    assert adapter_refusal(get_peft_model(engine_sized_policy(tokenizer), plain)) is None
+    dora = LoraConfig(r=2, target_modules=["q_proj"], use_dora=True, task_type="CAUSAL_LM")
+    assert "is DoRA" in adapter_refusal(get_peft_model(engine_sized_policy(tokenizer), dora))
+    saved = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM")
+    assert "modules_to_save" in adapter_refusal(get_peft_model(engine_sized_policy(tokenizer), saved))

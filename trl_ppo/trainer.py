@@ -134,7 +134,7 @@ class PPOTrainer(EvaluationMethods, StepMethods, critic.CriticMethods, EngineMet
         fsdp_version = fsdp.fsdp_version(accelerator)
         dist.check_supported(args, self.is_deepspeed_enabled, fsdp_version, stage, shares_layers)
         check_async_layout(args, accelerator, self.is_deepspeed_enabled, fsdp_version)
-        check_engine_layout(args, accelerator, self.is_deepspeed_enabled, fsdp_version, self.is_peft_model)
+        check_engine_layout(args, accelerator, self.is_deepspeed_enabled, fsdp_version, self.model.policy)
         fsdp.check_settings(accelerator)
         fsdp.keep_float32_outputs(accelerator)
         self.sampling_backend = resolve_backend(

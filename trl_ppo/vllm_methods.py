@@ -11,9 +11,10 @@ import os
 from .rollout import Rollout
 from .rollout.agreement import agreement_metrics, agreement_sums
 from .rollout.vllm_engine import VLLMEngine, made_in_this_process
+from .rollout.vllm_weights import adapter_refusal
 
 
-def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int | None, peft: bool) -> None:
+def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int | None, policy) -> None:
     """What the 'vllm' backend cannot run with yet that the config alone does not tell (`check_vllm_options` refuses
     the rest), refused before any rollout."""
     if args.generation_backend != "vllm":
@@ -21,8 +22,8 @@ def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int
     why = None
     if accelerator.num_processes > 1 or is_deepspeed or fsdp_version:
         why = "runs its engine in one process without DeepSpeed or FSDP for now"
-    elif peft:
-        why = "does not take PEFT (LoRA) policies yet: merge the adapter, or use generation_backend='kv_cache'"
+    elif adapter_refusal(policy):
+        why = adapter_refusal(policy) + ": merge it, or use generation_backend='kv_cache'"
     elif args.max_staleness and made_in_this_process():
         why = (f"with `max_staleness={args.max_staleness}` makes its engine in the sampler process, forked from this "
                "one, and this process has made a vLLM engine already (an earlier run's): vLLM's state does not "

