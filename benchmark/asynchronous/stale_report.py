@@ -20,7 +20,9 @@ def cell(row: dict) -> str:
         return "synchronous"
     clip = f", clip {row['max_grad_norm']:g}" if row.get("max_grad_norm") else ""
     minibatches = f", {row['num_mini_batches']} minibatches" if row.get("num_mini_batches") else ""
-    return f"stale 1, {row['off_policy_correction']}{clip}{minibatches}"
+    critic = f" (critic {row['critic_learning_rate']:g})" if row.get("critic_learning_rate") else ""
+    rate = f", lr {row['learning_rate']:g}{critic}" if row["learning_rate"] != 3e-5 else ""
+    return f"stale 1, {row['off_policy_correction']}{clip}{minibatches}{rate}"
 
 
 def line(row: dict) -> str:
