@@ -39,7 +39,8 @@
 #   8. only when GPU_CHECK_STEPS names it: "agents": the SmolLM2 tool task (benchmark/agents/smollm2_tool.py) on CUDA in
 #      bf16, 3 updates of 8 episodes, seed 0, with trl_ppo's PPO (gae) and GRPO and with TRL 1.12's GRPOTrainer:
 #      episodes/s, the peak CUDA memory of training, held-out success on 20 problems, and trl_ppo's sampler/trainer
-#      log-prob difference (rows: $OUT/smollm2_tool_h200.jsonl and a table); and whether the image has vLLM.
+#      log-prob difference (rows: $OUT/smollm2_tool_h200.jsonl and a table); and whether the image has vLLM: where
+#      it has, PPO's cell once more with generation_backend='vllm' (not yet run on a GPU; the deadline may cut it).
 #      The tool path needs transformers >= 5.24 (the image has 5.17): fetch_wheels.sh puts its wheel (and regex's) in
 #      .gpu_c/, which travels in a call of its own, after .gpu_a's and before the step's (all three git-ignored):
 #      run(command="ls .gpu_a", carry=[".gpu_a"]); run(command="ls .gpu_c", carry=[".gpu_c"]); then at once
@@ -327,17 +328,22 @@ agents_steps() {
         step "agents $estimator" 140 "$PYTHON" benchmark/agents/smollm2_tool.py --estimator "$estimator" \
             --model "$model" --warm_start "$work/warm-start" --work_dir "$work" --out "$rows" "${cell[@]}"
     done
+    if "$PYTHON" -c "import vllm" 2>/dev/null; then  # the image's vLLM: PPO's cell again, sampled by the engine
+        step "agents gae vllm" 180 "$PYTHON" benchmark/agents/smollm2_tool.py --estimator gae --generation_backend vllm \
+            --model "$model" --warm_start "$work/warm-start" --work_dir "$work" --out "$rows" "${cell[@]}"
+    fi
     name_commit "$rows"
     step agents-table 30 "$PYTHON" - "$rows" <<'EOF'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
 print(f"commit {rows[0]['commit']}, {rows[0]['device']}" if rows else "no rows")
-print("| trainer | updates x episodes | episodes/s | peak GiB | held-out before -> after | log-prob diff: mean (max) |")
-print("|---|---|---|---|---|---|")
+print("| trainer | sampler | updates x episodes | episodes/s | peak GiB | held-out before -> after | log-prob diff: mean (max) |")
+print("|---|---|---|---|---|---|---|")
 for row in rows:
     diff = row.get("logprob_diff_mean")
     diff = f"{sum(diff) / len(diff):.2e} ({max(row['logprob_diff_max']):.2e})" if diff else "not logged"
-    print(f"| {row['estimator']} | {row['updates']} x {row['batch_size']} | {row['episodes_per_wall_second']} | "
+    print(f"| {row['estimator']} | {row.get('generation_backend') or 'default'} | {row['updates']} x {row['batch_size']} | "
+          f"{row['episodes_per_wall_second']} | "
           f"{row['peak_cuda_gib']} | {row['before']['success']} -> {row['after']['success']} | {diff} |")
 EOF
 }
