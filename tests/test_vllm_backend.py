@@ -179,6 +179,17 @@ def test_a_lora_policy_is_pushed_merged_and_sampled_as_the_update_trains_it(
     assert all(torch.equal(v, base[k]) for k, v in policy.state_dict().items() if "lora_" not in k)
 
 
+@needs_vllm
+def test_a_head_size_the_cpu_engine_lacks_is_refused_at_construction(make_config, tokenizer, load_models,
+                                                                      prompt_dataset):  # fmt: skip
+    """The suite's tiny models have heads of 8: vLLM's CPU attention would fail at the first rollout."""
+    policy, value_model, reward_model = load_models()
+    with pytest.raises(ValueError, match=r"takes head sizes \[32, .*the policy's is 8: use generation_backend"):
+        PPOTrainer(args=make_config(generation_backend="vllm"), processing_class=tokenizer, model=policy,
+                   ref_model=None, reward_model=reward_model, value_model=value_model,
+                   train_dataset=prompt_dataset)  # fmt: skip
+
+
 def test_what_the_engine_cannot_run_with_yet_is_refused(make_config):
     # From the config alone, before any model loads (and whether or not vLLM is installed).
     with pytest.raises(ValueError, match="leave `agent_rollout` at 'continuous'"):

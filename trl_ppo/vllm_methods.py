@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 
+from .models import causal_lm
 from .rollout import Rollout
 from .rollout.agreement import agreement_metrics, agreement_sums
-from .rollout.vllm_engine import VLLMEngine, made_in_this_process
+from .rollout.vllm_engine import VLLMEngine, cpu_attention_refusal, made_in_this_process
 from .rollout.vllm_weights import adapter_refusal
 
 
@@ -24,6 +25,8 @@ def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int
         why = "runs its engine in one process without DeepSpeed or FSDP for now"
     elif adapter_refusal(policy):
         why = adapter_refusal(policy) + ": merge it, or use generation_backend='kv_cache'"
+    elif accelerator.device.type == "cpu" and cpu_attention_refusal(causal_lm(policy).config):
+        why = cpu_attention_refusal(causal_lm(policy).config) + ": use generation_backend='kv_cache'"
     elif args.max_staleness and made_in_this_process():
         why = (f"with `max_staleness={args.max_staleness}` makes its engine in the sampler process, forked from this "
                "one, and this process has made a vLLM engine already (an earlier run's): vLLM's state does not "

@@ -47,6 +47,21 @@ def import_vllm():
     return vllm
 
 
+def cpu_attention_refusal(config) -> str | None:
+    """Why vLLM's CPU attention cannot run a model of `config` (None: it can, or vLLM does not say): its head size
+    must be one the CPU kernels have. Checked before any compute (the engine itself fails at its first forward)."""
+    import_vllm()
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:  # another vLLM layout: the engine will tell
+        return None
+    size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if size in sizes:
+        return None
+    return f"runs on vLLM's CPU attention, which takes head sizes {sizes}, and the policy's is {size}"
+
+
 def _reload_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Run inside vLLM's worker (`collective_rpc`): load `weights` (checkpoint names) into its model in place."""
     worker.model_runner.reload_weights(weights_iterator=iter(weights))
