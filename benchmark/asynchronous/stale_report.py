@@ -22,7 +22,8 @@ def cell(row: dict) -> str:
     minibatches = f", {row['num_mini_batches']} minibatches" if row.get("num_mini_batches") else ""
     critic = f" (critic {row['critic_learning_rate']:g})" if row.get("critic_learning_rate") else ""
     rate = f", lr {row['learning_rate']:g}{critic}" if row["learning_rate"] != 3e-5 else ""
-    return f"stale 1, {row['off_policy_correction']}{clip}{minibatches}{rate}"
+    estimator = f"{row['estimator']}, " if row["estimator"] != "gae" else ""
+    return f"stale 1, {estimator}{row['off_policy_correction']}{clip}{minibatches}{rate}"
 
 
 def line(row: dict) -> str:
