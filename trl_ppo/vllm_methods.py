@@ -23,10 +23,10 @@ def check_engine_layout(args, accelerator, is_deepspeed: bool, fsdp_version: int
     why = None
     if accelerator.num_processes > 1 or is_deepspeed or fsdp_version:
         why = "runs its engine in one process without DeepSpeed or FSDP for now"
-    elif adapter_refusal(policy):
-        why = adapter_refusal(policy) + ": merge it, or use generation_backend='kv_cache'"
-    elif accelerator.device.type == "cpu" and cpu_attention_refusal(causal_lm(policy).config):
-        why = cpu_attention_refusal(causal_lm(policy).config) + ": use generation_backend='kv_cache'"
+    elif unmergeable := adapter_refusal(policy):
+        why = unmergeable + ": merge it, or use generation_backend='kv_cache'"
+    elif accelerator.device.type == "cpu" and (head := cpu_attention_refusal(causal_lm(policy).config)):
+        why = head + ": use generation_backend='kv_cache'"
     elif args.max_staleness and made_in_this_process():
         why = (f"with `max_staleness={args.max_staleness}` makes its engine in the sampler process, forked from this "
                "one, and this process has made a vLLM engine already (an earlier run's): vLLM's state does not "
@@ -39,7 +39,6 @@ class EngineMethods:
     """`_engine_sampling` for the rollouts and episodes; `_sampling_metrics` extends the asynchronous one."""
 
     _vllm_engine: VLLMEngine | None = None
-    _vllm_engine_pid: int | None = None  # the process that made it: a forked sampler makes its own
 
     def _engine_sampling(self) -> dict:
         """`Sampling`'s `engine` and `version` for a rollout ({} without the 'vllm' backend); the engine is made on
@@ -48,14 +47,13 @@ class EngineMethods:
         if self.args.generation_backend != "vllm":
             return {}
         version = self.state.global_step if self._policy_version is None else self._policy_version
-        if self._vllm_engine is None or self._vllm_engine_pid != os.getpid():
+        if self._vllm_engine is None or self._vllm_engine.pid != os.getpid():  # a forked sampler makes its own
             args, policy, cuda = self.args, self._models().wrapper.lm, self.accelerator.device.type == "cuda"
             eager, kv_cache = args.vllm_enforce_eager, args.vllm_kv_cache_gib
             self._vllm_engine = VLLMEngine(
                 policy, args.seed, args.vllm_gpu_memory_utilization, kv_cache if kv_cache or cuda else 1.0,
                 args.vllm_max_model_len, enforce_eager=not cuda if eager is None else eager,
             )  # fmt: skip
-            self._vllm_engine_pid = os.getpid()
         if self._vllm_engine.version != version:
             self._vllm_engine.push(self._models().wrapper.lm, version)
         return {"engine": self._vllm_engine, "version": version}

@@ -81,9 +81,8 @@ def play_episodes(
     """Play `episodes` to their end, as `turn_loop.run_turns` would, with continuous batching (see the module).
     `forward(**inputs)` runs the policy LM on `device` (no gradients) and returns its output: `logits` and the
     cache under `cache_keyword`. The episodes' generators are seeded from `generator` (None: the process-wide one)."""
-    seeds = torch.randint(2**62, (len(episodes),), generator=generator).tolist()  # runs repeat with the seed
-    joining = [EpisodeRow(e, torch.Generator(device).manual_seed(s), pending=list(e.query))
-               for e, s in zip(episodes, seeds)]
+    joining = [EpisodeRow(e, own, pending=list(e.query))
+               for e, own in zip(episodes, episode_generators(len(episodes), generator, device))]
     batch, waiting = _DecodingBatch(forward, device, cache_keyword, limits.temperature), []
     while joining or batch.rows or waiting:
         for row in joining:
@@ -92,6 +91,13 @@ def play_episodes(
             waiting += [row for row in batch.decode_step(limits) if end_turn(row, chat, limits)]
         joining, waiting = answered_rows(waiting, chat, limits, block=not batch.rows)
     return episodes
+
+
+def episode_generators(count: int, generator: torch.Generator | None, device="cpu") -> list[torch.Generator]:
+    """A generator of its own for each of `count` episodes, seeded from `generator` (None: the process-wide one),
+    so that runs repeat with the seed and an episode's draws do not depend on the others'."""
+    seeds = torch.randint(2**62, (count,), generator=generator).tolist()
+    return [torch.Generator(device).manual_seed(seed) for seed in seeds]
 
 
 def end_turn(row: EpisodeRow, chat: ToolChat, limits: TurnLimits) -> bool:

@@ -99,7 +99,7 @@ class VLLMEngine:
         )  # fmt: skip
         restore_rng_state(kept)
         global _MADE_IN_PID
-        _MADE_IN_PID = os.getpid()
+        self.pid = _MADE_IN_PID = os.getpid()  # the process it serves: vLLM's state does not survive a fork
         self.version: int | None = None  # the trainer's global_step the weights are from; None: never pushed
 
     def push(self, policy: nn.Module, version: int) -> None:

@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from ..agents.chat import ToolChat
-from .engine import EpisodeRow, TurnLimits, answered_rows, end_turn
+from .engine import EpisodeRow, TurnLimits, answered_rows, end_turn, episode_generators
 from .turn_loop import Episode
 from .vllm_engine import VLLMEngine, sampled_tokens
 
@@ -33,12 +33,11 @@ def play_on_engine(
     """Play `episodes` to their end on `engine` (see the module), as `engine.play_episodes` would on the local
     model. `version`: the update the engine's weights must be from (refused otherwise, before any request)."""
     engine.check_version(version)
-    seeds = torch.randint(2**62, (len(episodes),), generator=generator).tolist()
     requests = _Requests(engine, limits)
     waiting: list[EpisodeRow] = []
     try:
-        for episode, seed in zip(episodes, seeds):
-            requests.add(EpisodeRow(episode, torch.Generator().manual_seed(seed)))
+        for episode, own in zip(episodes, episode_generators(len(episodes), generator)):
+            requests.add(EpisodeRow(episode, own))
         while requests.running or waiting:
             if requests.running:
                 waiting += [row for row in requests.step() if end_turn(row, chat, limits)]
