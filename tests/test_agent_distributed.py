@@ -30,7 +30,7 @@ UNGATHERED = ["--ds3_gather_for_generation", "False", "--local_rollout_forward_b
 
 
 # ZeRO-3 runs ungathered only: the stricter case (every forward a collective), with the same idle-row sampling as
-# the gathered default; gathered sampling is tested in `test_distributed.test_deepspeed_trains_and_saves_a_full_model`.
+# the gathered default; gathered sampling is tested in test_distributed's ZeRO-3 saving run.
 @pytest.mark.usefixtures("torch_extensions")  # conftest: one DeepSpeed build for the session
 @pytest.mark.parametrize("layout, extra", [("ddp", []), ("zero3", UNGATHERED)])
 def test_processes_with_different_numbers_of_turns_finish_together(tmp_path, layout, extra):

@@ -166,12 +166,24 @@ def check_saved_model(folder: Path, final: dict, prefix: str = "policy.") -> Non
         assert torch.equal(tensor, expected[name]), name
 
 
+# `critic_learning_rate` rides along in the saving runs (a launch each saved): its parameter groups go through
+# DeepSpeed's engine and FSDP2's sharded parameters.
+CRITIC_RATE = ["--critic_learning_rate", "5e-3"]
+
+
+def check_critic_rate(reports: list[dict]) -> None:
+    """The schedule moved both rates (linear decay over 2 updates: the first update's rates are the set ones)."""
+    first = reports[0]["log_history"][0]
+    assert first["lr"] == pytest.approx(1e-3) and first["lr_critic"] == pytest.approx(5e-3)
+
+
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_trains_and_saves_a_full_model(tmp_path, stage):
+def test_deepspeed_trains_with_the_critics_own_rate_and_saves_a_full_model(tmp_path, stage):
     report_dir = tmp_path / stage
-    reports = launch(stage, report_dir, *STOP_AT_EOS, "--final_model_dir", str(tmp_path / "saved"))
+    reports = launch(stage, report_dir, *STOP_AT_EOS, *CRITIC_RATE, "--final_model_dir", str(tmp_path / "saved"))
     check_ranks_agree(reports, report_dir)
     assert reports[0]["global_step"] == 2
+    check_critic_rate(reports)
     final = weights(report_dir)
     assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
     assert max_difference(final, initial_weights(report_dir), "value_model.") > 1e-4
@@ -195,20 +207,6 @@ def test_a_critic_free_estimator_trains_whole_groups_on_every_process(tmp_path, 
     assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
     logged = reports[0]["log_history"][0]
     assert "loss/value_avg" not in logged and 0 <= logged["objective/frac_reward_zero_std"] <= 1
-
-
-@pytest.mark.parametrize("layout", ["zero2", "fsdp2"])
-def test_the_critics_own_rate_under_deepspeed_and_fsdp2(tmp_path, layout):
-    """`critic_learning_rate`'s parameter groups go through DeepSpeed's engine and FSDP2's sharded parameters: the
-    schedule moves both rates (linear decay over 2 updates: the first update's rates), and both models train."""
-    report_dir = tmp_path / layout
-    reports = launch(layout, report_dir, "--critic_learning_rate", "5e-3", *STOP_AT_EOS)
-    check_ranks_agree(reports, report_dir)
-    first = reports[0]["log_history"][0]
-    assert first["lr"] == pytest.approx(1e-3) and first["lr_critic"] == pytest.approx(5e-3)
-    final = weights(report_dir)
-    assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
-    assert max_difference(final, initial_weights(report_dir), "value_model.") > 1e-4
 
 
 def test_zero2_bf16_reference_is_in_the_policys_precision(tmp_path):
@@ -243,17 +241,18 @@ def check_sharded(report: dict, models=("policy", "value_model", "ref")) -> None
         assert units >= 2 and 0.4 * full < local < 0.6 * full, (role, report["shards"][role])
 
 
-def test_fsdp2_trains_sharded_and_saves_a_full_model(tmp_path):
+def test_fsdp2_trains_sharded_with_the_critics_own_rate_and_saves_a_full_model(tmp_path):
     # Policy, value model and reference each sharded over the two processes; the reference, sharded apart from the
     # policy, gives the same log-probs as the policy before the first step (KL 0); sampling gathers the policy's
     # units once per rollout, not at every token; `save_model` writes the whole policy.
     report_dir = tmp_path / "fsdp2"
-    flags = [*STOP_AT_EOS, "--final_model_dir", str(tmp_path / "saved")]
+    flags = [*STOP_AT_EOS, *CRITIC_RATE, "--final_model_dir", str(tmp_path / "saved")]
     reports = launch("fsdp2", report_dir, *flags)
     check_ranks_agree(reports, report_dir)
     for report in reports:
         check_sharded(report)
     assert reports[0]["global_step"] == 2
+    check_critic_rate(reports)
     assert reports[0]["log_history"][0]["objective/kl"] == 0.0
     final = weights(report_dir)
     assert max_difference(final, initial_weights(report_dir), "policy.") > 1e-4
@@ -289,7 +288,7 @@ def test_fsdp2_samples_from_sharded_weights(tmp_path):
 
 
 # ZeRO-2 is left out: its checkpoint is DeepSpeed's engine checkpoint, as ZeRO-3's (saving it: the zero2 case of
-# `test_deepspeed_trains_and_saves_a_full_model`); each case here costs two launches.
+# `test_deepspeed_trains_with_the_critics_own_rate_and_saves_a_full_model`); each case here costs two launches.
 @pytest.mark.parametrize("layout", ["ddp", "zero3", "fsdp2", "fsdp2_full"])
 def test_two_process_run_resumes_from_its_checkpoint(tmp_path, layout):
     # Run A: 4 updates with a checkpoint every 2. Run B: a new output_dir holding only A's checkpoint-2, resumed.
