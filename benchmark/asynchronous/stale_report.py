@@ -22,8 +22,9 @@ def cell(row: dict) -> str:
     minibatches = f", {row['num_mini_batches']} minibatches" if row.get("num_mini_batches") else ""
     critic = f" (critic {row['critic_learning_rate']:g})" if row.get("critic_learning_rate") else ""
     rate = f", lr {row['learning_rate']:g}{critic}" if row["learning_rate"] != 3e-5 else ""
+    kl = f", kl_coef {row['kl_coef']:g}" if row.get("kl_coef", 0.05) != 0.05 else ""
     estimator = f"{row['estimator']}, " if row["estimator"] != "gae" else ""
-    return f"stale 1, {estimator}{row['off_policy_correction']}{clip}{minibatches}{rate}"
+    return f"stale 1, {estimator}{row['off_policy_correction']}{clip}{minibatches}{rate}{kl}"
 
 
 def line(row: dict) -> str:
