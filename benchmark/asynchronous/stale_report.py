@@ -21,7 +21,7 @@ def cell(row: dict) -> str:
     clip = f", clip {row['max_grad_norm']:g}" if row.get("max_grad_norm") else ""
     minibatches = f", {row['num_mini_batches']} minibatches" if row.get("num_mini_batches") else ""
     critic = f" (critic {row['critic_learning_rate']:g})" if row.get("critic_learning_rate") else ""
-    rate = f", lr {row['learning_rate']:g}{critic}" if row["learning_rate"] != 3e-5 else ""
+    rate = f", lr {row['learning_rate']:g}{critic}" if row["learning_rate"] != 3e-5 or critic else ""
     kl = f", kl_coef {row['kl_coef']:g}" if row.get("kl_coef", 0.05) != 0.05 else ""
     estimator = f"{row['estimator']}, " if row["estimator"] != "gae" else ""
     return f"stale 1, {estimator}{row['off_policy_correction']}{clip}{minibatches}{rate}{kl}"
